@@ -1,0 +1,149 @@
+"""The one file that knows Hugging Face internals.
+
+Tree verification goes into an unmodified ``AutoModelForCausalLM`` through public inputs only: an
+explicit 4D additive attention mask (a ``{layer_type: mask}`` dict for models with sliding-window
+layers, as Gemma-3's forward accepts), explicit ``position_ids`` and a :class:`SpecCache` passed as
+the model's cache argument. Each supported architecture has a parity test (tests/test_tree_parity.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor, nn
+
+from selfdraft.cache import SpecCache
+from selfdraft.tree import Tree
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+class UnsupportedModelError(ValueError):
+    """The target's architecture or attention backend cannot take tree masks through public inputs."""
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise :class:`UnsupportedModelError` with a remedy if ``model`` cannot be verified with trees."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type '{cfg.model_type}' is not supported for tree verification (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}). Add it to selfdraft/adapter.py with a parity test."
+        )
+    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if not layer_types <= set(SUPPORTED_LAYER_TYPES):
+        raise UnsupportedModelError(
+            f"layer types {sorted(layer_types - set(SUPPORTED_LAYER_TYPES))} cannot take a tree mask"
+        )
+    impl = cfg._attn_implementation
+    if impl not in SUPPORTED_ATTENTION:
+        raise UnsupportedModelError(
+            f"attention implementation '{impl}' ignores custom masks; load the target with "
+            f"attn_implementation='sdpa' (or 'eager')"
+        )
+
+
+@lru_cache(maxsize=None)
+def _cache_kwarg(model_cls: type) -> str:
+    params = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def num_layers(model: nn.Module) -> int:
+    return int(model.config.num_hidden_layers)
+
+
+def new_cache(model: nn.Module, max_len: int) -> SpecCache:
+    """A preallocated cache with room for ``max_len`` positions."""
+    return SpecCache(num_layers(model), max_len)
+
+
+def attention_mask(
+    model: nn.Module, visible: Tensor, query_pos: Tensor, key_pos: Tensor, dtype: torch.dtype
+) -> Tensor | dict[str, Tensor]:
+    """Additive 4D mask(s) of shape (1, 1, q, k) from a (q, k) bool visibility matrix.
+
+    Sliding-window layers additionally hide keys at least ``sliding_window`` positions behind the query.
+    """
+    neg = torch.finfo(dtype).min
+    full = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, neg)[None, None]
+    layer_types = getattr(model.config, "layer_types", None)
+    if not layer_types or set(layer_types) == {"full_attention"}:
+        return full
+    window = model.config.sliding_window
+    in_window = (query_pos[:, None] - key_pos[None, :]) < window
+    sliding = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    sliding.masked_fill_(~(visible & in_window), neg)
+    return {"full_attention": full, "sliding_attention": sliding[None, None]}
+
+
+@dataclass
+class ForwardOutput:
+    logits: Tensor
+    """(batch, n, vocab) target logits at each input node."""
+    hidden_states: tuple[Tensor, ...] | None
+    """Per-layer (batch, n, hidden) states (embeddings first) when requested."""
+
+
+def tree_forward(
+    model: nn.Module,
+    cache: SpecCache,
+    tokens: Tensor,
+    tree: Tree,
+    output_hidden_states: bool = False,
+) -> ForwardOutput:
+    """One target forward over all tree nodes, appended after the cache's committed prefix.
+
+    tokens: (batch, n) node tokens in tree order. The KV of every node is written to the cache at
+    ``cache.length + node``; call :meth:`SpecCache.compact` afterwards to keep the accepted path.
+    """
+    device = tokens.device
+    prefix = cache.length
+    n = tokens.shape[-1]
+    positions = (tree.depth + prefix).to(device)
+    key_pos = torch.cat([torch.arange(prefix, device=device), positions])
+    visible = torch.ones(n, prefix + n, dtype=torch.bool, device=device)
+    visible[:, prefix:] = tree.ancestors.to(device)
+    dtype = model.get_input_embeddings().weight.dtype
+    mask = attention_mask(model, visible, positions, key_pos, dtype)
+    out = model(
+        input_ids=tokens,
+        attention_mask=mask,
+        position_ids=positions[None].expand(tokens.shape[0], n),
+        use_cache=True,
+        output_hidden_states=output_hidden_states,
+        **{_cache_kwarg(type(model)): cache},
+    )
+    return ForwardOutput(out.logits, out.hidden_states if output_hidden_states else None)
+
+
+def shallow_view(model: nn.Module, num_kept_layers: int) -> nn.Module:
+    """The target's first ``num_kept_layers`` decoder layers + final norm + lm_head, sharing weights.
+
+    Used by layer-skip self-drafting. Returns a new module object whose submodules are the target's
+    own (no parameter is copied and the target itself is not modified).
+    """
+    total = num_layers(model)
+    if not 1 <= num_kept_layers < total:
+        raise ValueError(f"layer-skip needs 1 <= layers < {total}, got {num_kept_layers}")
+    cfg = copy.copy(model.config)
+    cfg.num_hidden_layers = num_kept_layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types[:num_kept_layers])
+    base = model.get_decoder()
+    base_view = copy.copy(base)
+    base_view._modules = dict(base._modules)
+    base_view._modules["layers"] = nn.ModuleList(list(base.layers[:num_kept_layers]))
+    base_view.config = cfg
+    view = copy.copy(model)
+    view._modules = {
+        name: (base_view if module is base else module) for name, module in model._modules.items()
+    }
+    view.config = cfg
+    return view

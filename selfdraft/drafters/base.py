@@ -1,0 +1,67 @@
+"""The drafter protocol: one seam for every way of proposing draft tokens.
+
+A drafter proposes a :class:`Draft` (a tree of tokens rooted at the last committed token) and is told
+what the target accepted. Training-free drafters (draft model, layer-skip, prompt lookup) and trained
+heads (Medusa, EAGLE) all implement it; the decode loop knows nothing else about them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from selfdraft.sampling import SamplingConfig
+from selfdraft.tree import Tree, chain_tree
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposed tree of tokens."""
+
+    tree: Tree
+    tokens: Tensor
+    """(n,) int64 token at each node; tokens[0] is the root (the last committed token)."""
+    q: Tensor | None = None
+    """(n, V) float distribution each node's children were drawn from (in child order, without
+    replacement), processed with the same SamplingConfig as the target. None: deterministic children."""
+
+    def __post_init__(self) -> None:
+        if self.tokens.shape != (self.tree.size,):
+            raise ValueError(f"draft has {self.tree.size} nodes but tokens of shape {tuple(self.tokens.shape)}")
+
+
+def root_only(root: int) -> Draft:
+    """The empty draft: just the root (plain decoding step)."""
+    return Draft(chain_tree(0), torch.tensor([root], dtype=torch.long))
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the target kept after one verification step (given to :meth:`Drafter.update`)."""
+
+    tokens: Tensor
+    """(T,) the whole committed sequence, prompt included; tokens[-1] is the next root."""
+    num_accepted: int
+    """Draft tokens accepted this step (0 .. depth)."""
+    hidden_states: tuple[Tensor, ...] | None = None
+    """Target per-layer (1, k, hidden) states of the newly committed tokens, if the drafter asked."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes draft trees; keeps whatever state it needs (its own KV cache) between steps."""
+
+    needs_hidden_states: bool
+    """Whether :meth:`update` should receive the target's hidden states (trained heads do)."""
+
+    def reset(self, prompt: Tensor) -> None:
+        """Start a new sequence. prompt: (T,) token ids, already prefilled in the target."""
+
+    def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        """Propose a tree rooted at tokens[-1]. tokens: (T,) committed sequence."""
+
+    def update(self, step: StepResult) -> None:
+        """Learn what was accepted (roll back caches, adapt draft length)."""

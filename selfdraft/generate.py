@@ -1,0 +1,214 @@
+"""The speculative decode loop (and, with no drafter, the plain reference decoder).
+
+Each step: 1. the drafter proposes a tree rooted at the last committed token; 2. one target forward
+verifies every node under a tree attention mask; 3. an acceptance rule keeps a root-to-node path and
+adds one target token after it; 4. the KV cache is compacted to the kept path. With no drafter the
+tree is the root alone, which is plain autoregressive decoding on the same engine: the oracle for
+the tests and the baseline for the benchmarks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from selfdraft.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
+from selfdraft.adapter import new_cache, tree_forward
+from selfdraft.drafters.base import Draft, Drafter, StepResult, root_only
+from selfdraft.sampling import GREEDY, SamplingConfig, choose, logits_to_probs
+from selfdraft.stats import GenerationStats
+from selfdraft.tree import chain_tree, truncate_depth
+
+ACCEPTANCE_MODES = ("exact", "typical")
+CACHE_SLACK = 256
+"""Cache positions preallocated beyond prompt + max_new_tokens for the nodes of one draft tree."""
+
+
+class ContextLengthError(ValueError):
+    """The prompt plus the requested new tokens do not fit in the target's context."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate and how to accept draft tokens."""
+
+    max_new_tokens: int = 128
+    """Exact cap on generated tokens (EOS and stop strings may end earlier)."""
+    sampling: SamplingConfig = GREEDY
+    """Temperature / top-k / top-p, applied identically to target p and draft q."""
+    acceptance: str = "exact"
+    """'exact' (greedy-exact or lossless sampling) or 'typical' (Medusa typical acceptance, LOSSY)."""
+    typical_threshold: float = 0.09
+    """Typical acceptance: probability cutoff epsilon."""
+    typical_alpha: float = 0.3
+    """Typical acceptance: entropy-scaled cutoff delta."""
+    stop_strings: tuple[str, ...] = ()
+    """Generation ends once the decoded text contains one of these (the string is kept)."""
+    seed: int | None = None
+    """Seed of the sampling generator (None: nondeterministic)."""
+    on_context_overflow: str = "error"
+    """'error' (raise ContextLengthError) or 'truncate' (lower max_new_tokens to fit)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.acceptance not in ACCEPTANCE_MODES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_MODES}, got '{self.acceptance}'")
+        if self.on_context_overflow not in ("error", "truncate"):
+            raise ValueError(f"on_context_overflow must be 'error' or 'truncate', got '{self.on_context_overflow}'")
+
+
+@dataclass
+class GenerationOutput:
+    tokens: list[int]
+    """New tokens (EOS included when it ended generation)."""
+    sources: list[str]
+    """Per new token: 'draft' (accepted draft token), 'correction' (target token after a rejection),
+    'bonus' (target token after a fully accepted path) or 'target' (no draft was proposed)."""
+    stop_reason: str
+    """'eos', 'stop_string' or 'max_new_tokens'."""
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def _fit_budget(prompt_len: int, cfg: GenerationConfig, max_positions: int) -> int:
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    room = max_positions - prompt_len
+    if prompt_len + cfg.max_new_tokens <= max_positions:
+        return cfg.max_new_tokens
+    if cfg.on_context_overflow == "truncate" and room > 0:
+        return room
+    raise ContextLengthError(
+        f"prompt of {prompt_len} tokens + max_new_tokens {cfg.max_new_tokens} exceeds the target's context "
+        f"of {max_positions} positions; shorten the prompt, lower max_new_tokens, or set "
+        f"on_context_overflow='truncate'"
+    )
+
+
+def _fit_draft(draft: Draft, remaining: int) -> Draft:
+    """Trim a draft so its accepted tokens plus the target's token cannot overshoot the budget."""
+    tree, keep = truncate_depth(draft.tree, max(remaining - 1, 0))
+    if tree.size == draft.tree.size:
+        return draft
+    q = draft.q[keep] if draft.q is not None else None
+    return Draft(tree, draft.tokens[keep], q)
+
+
+def _accept(
+    draft: Draft, logits: Tensor, cfg: GenerationConfig, generator: torch.Generator | None
+) -> Acceptance:
+    if cfg.acceptance == "typical":
+        probs = logits_to_probs(logits, cfg.sampling if not cfg.sampling.greedy else SamplingConfig(1.0))
+        return accept_typical(draft.tree, draft.tokens, probs, cfg.typical_threshold, cfg.typical_alpha, generator)
+    if cfg.sampling.greedy:
+        return accept_greedy(draft.tree, draft.tokens, logits)
+    return accept_sampling(draft.tree, draft.tokens, logits_to_probs(logits, cfg.sampling), draft.q, generator)
+
+
+@torch.inference_mode()
+def generate(
+    model: nn.Module,
+    prompt: Sequence[int] | Tensor,
+    drafter: Drafter | None = None,
+    cfg: GenerationConfig = GenerationConfig(),
+    eos_token_ids: Sequence[int] | frozenset[int] = (),
+    tokenizer: object | None = None,
+    on_tokens: Callable[[list[int], list[str]], None] | None = None,
+) -> GenerationOutput:
+    """Generate up to ``cfg.max_new_tokens`` tokens after ``prompt`` (token ids).
+
+    With ``drafter=None`` this is plain decoding. ``on_tokens(tokens, sources)`` is called with each
+    step's newly committed tokens (for streaming). ``tokenizer`` is needed for stop strings.
+    """
+    if cfg.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer to decode the text")
+    prompt_ids = torch.as_tensor(list(prompt) if not isinstance(prompt, Tensor) else prompt, dtype=torch.long)
+    prompt_ids = prompt_ids.flatten()
+    device = next(model.parameters()).device
+    max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 20))
+    budget = _fit_budget(prompt_ids.numel(), cfg, max_pos)
+    eos = frozenset(int(e) for e in eos_token_ids)
+    generator = None
+    if not cfg.sampling.greedy or cfg.acceptance == "typical":
+        generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+    needs_hidden = bool(getattr(drafter, "needs_hidden_states", False))
+    stats = GenerationStats()
+    out = GenerationOutput(tokens=[], sources=[], stop_reason="max_new_tokens", stats=stats)
+    if budget == 0:
+        return out
+
+    t_start = time.perf_counter()
+    cache = new_cache(model, prompt_ids.numel() + budget + CACHE_SLACK)
+    committed: list[int] = prompt_ids.tolist()
+
+    def emit(new: list[int], sources: list[str]) -> bool:
+        """Append tokens up to a stop condition; returns True when generation is over."""
+        taken = 0
+        done = False
+        for tok in new:
+            out.tokens.append(tok)
+            taken += 1
+            if tok in eos:
+                out.stop_reason, done = "eos", True
+            elif cfg.stop_strings and any(s in tokenizer.decode(out.tokens) for s in cfg.stop_strings):
+                out.stop_reason, done = "stop_string", True
+            elif len(out.tokens) >= budget:
+                out.stop_reason, done = "max_new_tokens", True
+            if done:
+                break
+        out.sources.extend(sources[:taken])
+        committed.extend(new[:taken])
+        if on_tokens is not None:
+            on_tokens(new[:taken], sources[:taken])
+        return done
+
+    # prefill: the whole prompt as a chain, then the first token from the last position
+    t0 = time.perf_counter()
+    fwd = tree_forward(model, cache, prompt_ids[None].to(device), chain_tree(prompt_ids.numel() - 1), needs_hidden)
+    first = int(choose(fwd.logits[0, -1], cfg.sampling, generator))
+    stats.prefill_s = time.perf_counter() - t0
+    done = emit([first], ["target"])
+    if drafter is not None and not done:
+        t0 = time.perf_counter()
+        drafter.reset(StepResult(torch.tensor(committed), 0, fwd.hidden_states))
+        stats.draft_s += time.perf_counter() - t0
+
+    while not done:
+        prefix = cache.length
+        root = committed[-1]
+        # 1. draft
+        t0 = time.perf_counter()
+        if drafter is None:
+            draft = root_only(root)
+        else:
+            draft = drafter.propose(torch.tensor(committed), cfg.sampling, generator)
+            if int(draft.tokens[0]) != root:
+                raise RuntimeError(f"drafter returned a tree rooted at {int(draft.tokens[0])}, expected {root}")
+            draft = _fit_draft(draft, budget - len(out.tokens))
+        t1 = time.perf_counter()
+        # 2. verify
+        fwd = tree_forward(model, cache, draft.tokens[None].to(device), draft.tree, needs_hidden)
+        t2 = time.perf_counter()
+        # 3. accept
+        acc = _accept(draft, fwd.logits[0], cfg, generator)
+        # 4. update cache: keep the root and the accepted nodes, in order
+        cache.compact(prefix, acc.path.to(device))
+        accepted = draft.tokens[acc.path[1:]].tolist()
+        leaf = len(draft.tree.children()[int(acc.path[-1])]) == 0
+        last = "target" if draft.tree.size == 1 else ("bonus" if leaf else "correction")
+        stats.record_step(draft.tree.max_depth, acc.num_accepted, t1 - t0, t2 - t1)
+        done = emit(accepted + [acc.next_token], ["draft"] * len(accepted) + [last])
+        if drafter is not None and not done:
+            hidden = None
+            if fwd.hidden_states is not None:
+                hidden = tuple(h[:, acc.path.to(device)] for h in fwd.hidden_states)
+            t0 = time.perf_counter()
+            drafter.update(StepResult(torch.tensor(committed), acc.num_accepted, hidden))
+            stats.draft_s += time.perf_counter() - t0
+    stats.new_tokens = len(out.tokens)
+    stats.wall_s = time.perf_counter() - t_start
+    return out

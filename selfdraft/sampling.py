@@ -1,0 +1,77 @@
+"""Sampling settings and the logits -> probabilities transform shared by target and drafter.
+
+Speculative sampling is lossless only if the target distribution ``p`` and the draft distribution
+``q`` are both processed with the same temperature, top-k and top-p; both sides call
+:func:`logits_to_probs` with the same :class:`SamplingConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen from the target's distribution."""
+
+    temperature: float = 0.0
+    """0 means greedy (argmax); > 0 samples from softmax(logits / temperature)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingConfig()
+
+
+def logits_to_probs(logits: Tensor, cfg: SamplingConfig) -> Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p.
+
+    In greedy mode the result is the one-hot of the argmax.
+    """
+    logits = logits.float()
+    if cfg.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / cfg.temperature
+    if cfg.top_k > 0 and cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, sorted_i = torch.sort(probs, dim=-1, descending=True)
+        # drop a token when the mass strictly before it already reaches top_p
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_i, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Draw one token per row of (..., V) probabilities; returns (...) int64."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return out.reshape(probs.shape[:-1])
+
+
+def choose(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> Tensor:
+    """Pick the next token from (..., V) logits: argmax in greedy mode, else a sample."""
+    if cfg.greedy:
+        return logits.argmax(-1)
+    return sample(logits_to_probs(logits, cfg), generator)
