@@ -1,0 +1,142 @@
+"""Speculative greedy decoding must equal plain greedy decoding token for token (fp32)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import ARCHS, VOCAB, random_prompt, tiny_model
+from helpers import ScriptedDrafter
+
+from selfdraft.drafters import DraftModelDrafter, PromptLookupDrafter, layer_skip_drafter
+from selfdraft.generate import ContextLengthError, GenerationConfig, generate
+
+NEW = 24
+
+
+def plain(model, prompt, n=NEW, eos=()):
+    return generate(model, prompt, None, GenerationConfig(max_new_tokens=n), eos_token_ids=eos)
+
+
+def noisy_copy(model, scale: float, seed: int):
+    """A draft model that agrees with the target often but not always."""
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std())
+    return draft
+
+
+def prompts(count: int) -> list[list[int]]:
+    """Mixed lengths, some with repetition so prompt lookup finds matches."""
+    out = []
+    for i in range(count):
+        base = random_prompt(1 + (i * 7) % 40, i)
+        out.append(base + base[: i % 5] if i % 3 == 0 else base)
+    return out
+
+
+def make_drafters(model, reference, seed):
+    return {
+        "oracle": ScriptedDrafter(reference, "oracle", VOCAB, seed=seed),
+        "random": ScriptedDrafter(reference, "random", VOCAB, seed=seed),
+        "partial": ScriptedDrafter(reference, "partial", VOCAB, seed=seed),
+        "prompt_lookup": PromptLookupDrafter(max_candidates=3),
+        "layer_skip": layer_skip_drafter(model, layers=2, gamma=3),
+        "draft_model": DraftModelDrafter(noisy_copy(model, 0.3, seed), gamma=3),
+    }
+
+
+def test_plain_decoder_matches_hf_generate(models):
+    """Guards the oracle itself: our plain loop must equal transformers' own greedy generate."""
+    model = models["llama"]
+    for i, prompt in enumerate(prompts(5)):
+        ours = plain(model, prompt).tokens
+        hf = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                            pad_token_id=0, min_new_tokens=NEW)[0, len(prompt):].tolist()
+        assert ours == hf, f"prompt {i}: ours {ours} vs HF {hf}"
+
+
+def test_every_drafter_equals_plain_greedy_over_30_prompts(models):
+    """Guards the whole speculative path (tree mask, acceptance, compaction, drafter rollback) on llama."""
+    model = models["llama"]
+    taus = {}
+    for i, prompt in enumerate(prompts(30)):
+        ref = plain(model, prompt).tokens
+        for name, drafter in make_drafters(model, prompt + ref, seed=i).items():
+            out = generate(model, prompt, drafter, GenerationConfig(max_new_tokens=NEW))
+            assert out.tokens == ref, f"prompt {i} drafter {name}: {out.tokens} != {ref}"
+            taus.setdefault(name, []).append(out.stats.tau)
+    mean = {k: sum(v) / len(v) for k, v in taus.items()}
+    assert mean["oracle"] > 3.5, f"oracle drafts must be accepted: tau {mean}"
+    assert mean["random"] < 1.2, f"random drafts must be rejected: tau {mean}"
+    assert 1.2 < mean["partial"] < mean["oracle"], f"partial drafts partly accepted: tau {mean}"
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+def test_drafters_equal_plain_greedy_other_archs(models, arch):
+    """Guards architecture-specific paths (qk-norm, sliding windows) under speculation."""
+    model = models[arch]
+    for i, prompt in enumerate(prompts(6)):
+        ref = plain(model, prompt).tokens
+        for name, drafter in make_drafters(model, prompt + ref, seed=i).items():
+            out = generate(model, prompt, drafter, GenerationConfig(max_new_tokens=NEW))
+            assert out.tokens == ref, f"{arch} prompt {i} drafter {name}: {out.tokens} != {ref}"
+
+
+@pytest.mark.parametrize("stop_at", [0, 1, 5, 13])
+def test_eos_inside_accepted_run_stops_there(models, stop_at):
+    """Guards against emitting tokens after an EOS that lands in the middle of an accepted draft."""
+    model = models["llama"]
+    prompt = random_prompt(10, 77)
+    ref = plain(model, prompt, n=40).tokens
+    eos = ref[stop_at]
+    first = ref.index(eos)
+    want = ref[: first + 1]
+    assert plain(model, prompt, n=40, eos=[eos]).tokens == want
+    drafter = ScriptedDrafter(prompt + ref, "oracle", VOCAB, depth=6)
+    out = generate(model, prompt, drafter, GenerationConfig(max_new_tokens=40), eos_token_ids=[eos])
+    assert out.tokens == want and out.stop_reason == "eos", f"{out.tokens} vs {want}"
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7])
+def test_max_new_tokens_is_exact(models, n):
+    """Guards against overshooting max_new_tokens when a long draft is fully accepted."""
+    model = models["llama"]
+    prompt = random_prompt(6, 8)
+    ref = plain(model, prompt, n=20).tokens
+    drafter = ScriptedDrafter(prompt + ref, "oracle", VOCAB, depth=5)
+    out = generate(model, prompt, drafter, GenerationConfig(max_new_tokens=n))
+    assert out.tokens == ref[:n], f"max_new_tokens={n}: got {len(out.tokens)} tokens"
+
+
+def test_context_limit_errors_or_truncates(models):
+    """Guards against running past max_position_embeddings (RoPE garbage) without telling the user."""
+    model = models["llama"]
+    prompt = random_prompt(250, 9)
+    with pytest.raises(ContextLengthError, match="exceeds the target's context"):
+        generate(model, prompt, None, GenerationConfig(max_new_tokens=10))
+    out = generate(model, prompt, PromptLookupDrafter(),
+                   GenerationConfig(max_new_tokens=10, on_context_overflow="truncate"))
+    assert len(out.tokens) == 256 - 250
+
+
+def test_stop_strings_end_generation():
+    """Guards stop-string handling: the text ends with the stop string and nothing after it."""
+
+    class CharTokenizer:
+        def decode(self, ids):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    model = tiny_model("llama")
+    prompt = random_prompt(8, 10)
+    ref = plain(model, prompt, n=30).tokens
+    tok = CharTokenizer()
+    stop = tok.decode(ref[9:11])
+    text = tok.decode(ref)
+    want_len = text.index(stop) + len(stop)
+    out = generate(model, prompt, PromptLookupDrafter(), GenerationConfig(max_new_tokens=30, stop_strings=(stop,)),
+                   tokenizer=tok)
+    assert out.stop_reason == "stop_string" and tok.decode(out.tokens) == text[:want_len]
