@@ -8,6 +8,7 @@ transformers on first load (slow); the result is kept as safetensors under ``SEL
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import importlib.util
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_model
 from torch import nn
 
 from selfdraft.adapter import check_supported
@@ -111,8 +113,8 @@ def resolve(spec: str) -> tuple[str, str | None]:
         return str(path), None
     if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise TargetNotFoundError(
-            f"'{spec}' is neither a local model folder, a .gguf file, a hub id (org/name) nor an alias "
-            f"({', '.join(ALIASES)})"
+            f"target '{spec}' not found: it is neither a local model folder, a .gguf file, a hub id "
+            f"(org/name) nor an alias ({', '.join(ALIASES)})"
         )
     return spec, None
 
@@ -139,10 +141,13 @@ def _load_gguf(folder: str, gguf: str, dtype: torch.dtype):
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
     try:
-        model.config.quantization_config = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
+        # de-quantised tensors saved directly: transformers refuses save_pretrained on a gguf-loaded model
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))
         tok.save_pretrained(tmp)
         os.replace(tmp, cached)
     except OSError:

