@@ -40,3 +40,18 @@ def test_training_free_drafters_equal_plain_greedy_on_smollm2(smollm2):
             assert out.tokens == ref, f"prompt {i}, {name}: first diff at {next(j for j, (a, b) in enumerate(zip(out.tokens, ref)) if a != b)}"
             accepted[name] = accepted.get(name, 0) + out.stats.accepted
     assert all(v > 0 for v in accepted.values()), accepted
+
+
+def test_gemma3_270m_prompt_lookup_and_layer_skip_equal_plain():
+    """Guards exactness on the second real architecture (Gemma-3: sliding windows, 262k vocabulary)."""
+    from selfdraft.target import load_target
+
+    torch.set_num_threads(2)
+    target = load_target("gemma3-270m", dtype="float32")
+    cfg = GenerationConfig(max_new_tokens=32)
+    for text in load_prompts("mtbench", 3):
+        ids = target.encode_chat(text)
+        ref = generate(target.model, ids, None, cfg, eos_token_ids=target.eos_token_ids).tokens
+        for drafter in (PromptLookupDrafter(), layer_skip_drafter(target.model, layers=12, gamma=3)):
+            out = generate(target.model, ids, drafter, cfg, eos_token_ids=target.eos_token_ids)
+            assert out.tokens == ref, f"{type(drafter).__name__} diverged on gemma3-270m"
