@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 from torch import Tensor, nn
@@ -49,7 +49,7 @@ def check_supported(model: nn.Module) -> None:
         )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cache_kwarg(model_cls: type) -> str:
     params = inspect.signature(model_cls.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -87,8 +87,8 @@ def attention_mask(
 class ForwardOutput:
     logits: Tensor
     """(batch, n, vocab) target logits at each input node."""
-    hidden_states: tuple[Tensor, ...] | None
-    """Per-layer (batch, n, hidden) states (embeddings first) when requested."""
+    hidden_states: dict[int, Tensor] | None
+    """(batch, n, hidden) states by requested hidden-state index."""
 
 
 def tree_forward(
@@ -96,12 +96,14 @@ def tree_forward(
     cache: SpecCache,
     tokens: Tensor,
     tree: Tree,
-    output_hidden_states: bool = False,
+    hidden_layers: tuple[int, ...] = (),
 ) -> ForwardOutput:
     """One target forward over all tree nodes, appended after the cache's committed prefix.
 
     tokens: (batch, n) node tokens in tree order. The KV of every node is written to the cache at
     ``cache.length + node``; call :meth:`SpecCache.compact` afterwards to keep the accepted path.
+    ``hidden_layers`` selects hidden states to return (0 = embeddings, i = input of layer i, -1 =
+    final normed state).
     """
     device = tokens.device
     prefix = cache.length
@@ -117,10 +119,11 @@ def tree_forward(
         attention_mask=mask,
         position_ids=positions[None].expand(tokens.shape[0], n),
         use_cache=True,
-        output_hidden_states=output_hidden_states,
+        output_hidden_states=list(hidden_layers) if hidden_layers else False,
         **{_cache_kwarg(type(model)): cache},
     )
-    return ForwardOutput(out.logits, out.hidden_states if output_hidden_states else None)
+    hidden = {i: out.hidden_states[i] for i in hidden_layers} if hidden_layers else None
+    return ForwardOutput(out.logits, hidden)
 
 
 def shallow_view(model: nn.Module, num_kept_layers: int) -> nn.Module:

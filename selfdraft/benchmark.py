@@ -169,7 +169,8 @@ def run_decoder(
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'decoder':<34}{'tok/s':>8}{'median':>8}{'speedup':>9}{'tau':>6}{'ident':>7}{'prefix':>8}{'draft%':>8}{'other%':>8}"
+    w = max([len(r["decoder"]) for r in rows] + [7]) + 2
+    head = f"{'decoder':<{w}}{'tok/s':>8}{'median':>8}{'speedup':>9}{'tau':>6}{'ident':>7}{'prefix':>8}{'draft%':>8}{'other%':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
         wall = r["wall_s"] or 1.0
@@ -180,7 +181,7 @@ def format_table(rows: list[dict]) -> str:
         draft = f"{100 * r['draft_s'] / wall:.1f}" if r["taus"] else "-"
         other = f"{100 * r['other_s'] / wall:.1f}" if r["taus"] else "-"
         lines.append(
-            f"{r['decoder']:<34}{r['tokens_per_s']:>8.1f}{r['median_tok_s']:>8.1f}{speed:>9}{tau:>6}{ident:>7}"
+            f"{r['decoder']:<{w}}{r['tokens_per_s']:>8.1f}{r['median_tok_s']:>8.1f}{speed:>9}{tau:>6}{ident:>7}"
             f"{prefix:>8}{draft:>8}{other:>8}"
         )
     return "\n".join(lines)

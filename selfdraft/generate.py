@@ -135,7 +135,7 @@ def generate(
     generator = None
     if not cfg.sampling.greedy or cfg.acceptance == "typical":
         generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
-    needs_hidden = bool(getattr(drafter, "needs_hidden_states", False))
+    hidden_layers = tuple(getattr(drafter, "hidden_layers", ()))
     stats = GenerationStats()
     out = GenerationOutput(tokens=[], sources=[], stop_reason="max_new_tokens", stats=stats)
     if budget == 0:
@@ -168,7 +168,7 @@ def generate(
 
     # prefill: the whole prompt as a chain, then the first token from the last position
     t0 = time.perf_counter()
-    fwd = tree_forward(model, cache, prompt_ids[None].to(device), chain_tree(prompt_ids.numel() - 1), needs_hidden)
+    fwd = tree_forward(model, cache, prompt_ids[None].to(device), chain_tree(prompt_ids.numel() - 1), hidden_layers)
     first = int(choose(fwd.logits[0, -1], cfg.sampling, generator))
     stats.prefill_s = time.perf_counter() - t0
     done = emit([first], ["target"])
@@ -191,7 +191,7 @@ def generate(
             draft = _fit_draft(draft, budget - len(out.tokens))
         t1 = time.perf_counter()
         # 2. verify
-        fwd = tree_forward(model, cache, draft.tokens[None].to(device), draft.tree, needs_hidden)
+        fwd = tree_forward(model, cache, draft.tokens[None].to(device), draft.tree, hidden_layers)
         t2 = time.perf_counter()
         # 3. accept
         acc = _accept(draft, fwd.logits[0], cfg, generator)
@@ -205,7 +205,7 @@ def generate(
         if drafter is not None and not done:
             hidden = None
             if fwd.hidden_states is not None:
-                hidden = tuple(h[:, acc.path.to(device)] for h in fwd.hidden_states)
+                hidden = {i: h[:, acc.path.to(device)] for i, h in fwd.hidden_states.items()}
             t0 = time.perf_counter()
             drafter.update(StepResult(torch.tensor(committed), acc.num_accepted, hidden))
             stats.draft_s += time.perf_counter() - t0

@@ -18,7 +18,7 @@ class ScriptedDrafter:
     with the true token sometimes offered as a lower-ranked sibling.
     """
 
-    needs_hidden_states = False
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, reference: list[int], mode: str, vocab: int, depth: int = 4, seed: int = 0):
         self.reference, self.mode, self.vocab, self.depth = reference, mode, vocab, depth

@@ -20,7 +20,15 @@ def _draft_model(target: nn.Module, model: str | nn.Module, dtype: str | None = 
     return DraftModelDrafter(model, **options)
 
 
+def _head(target: nn.Module, path: str, **options) -> Drafter:
+    from selfdraft.heads import head_type, load_head
+
+    kind, head, _ = load_head(path, target)
+    return head_type(kind).drafter(head, **options)
+
+
 DRAFTERS: dict[str, Callable[..., Drafter]] = {
+    "head": _head,
     "prompt_lookup": lambda target, **options: PromptLookupDrafter(**options),
     "layer_skip": layer_skip_drafter,
     "draft_model": _draft_model,

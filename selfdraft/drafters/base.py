@@ -46,16 +46,18 @@ class StepResult:
     """(T,) the whole committed sequence, prompt included; tokens[-1] is the next root."""
     num_accepted: int
     """Draft tokens accepted this step (0 .. depth)."""
-    hidden_states: tuple[Tensor, ...] | None = None
-    """Target per-layer (1, k, hidden) states of the newly committed tokens, if the drafter asked."""
+    hidden_states: dict[int, Tensor] | None = None
+    """Target hidden states of the newly committed tokens, (1, k, hidden) per index the drafter
+    asked for in ``hidden_layers`` (k = prompt length at reset, 1 + accepted after a step)."""
 
 
 @runtime_checkable
 class Drafter(Protocol):
     """Proposes draft trees; keeps whatever state it needs (its own KV cache) between steps."""
 
-    needs_hidden_states: bool
-    """Whether :meth:`update` should receive the target's hidden states (trained heads do)."""
+    hidden_layers: tuple[int, ...]
+    """Indices into the target's hidden states (0 = embeddings, i = input of layer i, -1 = final
+    normed state) that :meth:`reset`/:meth:`update` need; empty for drafters that read tokens only."""
 
     def reset(self, prompt: Tensor) -> None:
         """Start a new sequence. prompt: (T,) token ids, already prefilled in the target."""

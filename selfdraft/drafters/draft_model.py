@@ -21,7 +21,7 @@ from selfdraft.tree import chain_tree
 class DraftModelDrafter:
     """Chain drafter driven by any causal LM that shares the target's vocabulary."""
 
-    needs_hidden_states = False
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(
         self, model: nn.Module, gamma: int = 4, adaptive: bool = True, min_gamma: int = 1, max_gamma: int = 12

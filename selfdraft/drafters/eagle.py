@@ -1,0 +1,149 @@
+"""EAGLE drafting with a dynamic tree (EAGLE-2, Li et al. 2024) for an EAGLE-3 head.
+
+The head keeps its own KV cache over committed (feature, next token) pairs. Each step:
+1. feed the pairs committed since the last step (target features of the accepted path);
+2. expand: depth 1 takes the top-k tokens of the last pair's output; each further depth runs the
+   head on the top-k frontier nodes (by cumulative log-probability), each attending to the
+   committed cache and its own ancestors, and gives each of them top-k children;
+3. rerank every generated node by cumulative log-probability and keep the best ``total_tokens``
+   (an ancestor-closed set), which is the tree the target verifies;
+4. roll the head cache back to the committed pairs (tree entries are dropped).
+Children are a deterministic function of the head's state, so sampling stays lossless (q one-hot).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from selfdraft.drafters.base import Draft, StepResult
+from selfdraft.heads.eagle3 import Eagle3Head
+from selfdraft.sampling import SamplingConfig
+from selfdraft.tree import top_nodes_by_score, tree_from_parents
+
+
+class HeadKV:
+    """The head's single-layer KV cache: (1, kv_heads, capacity, head_dim), grown on demand."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 1024):
+        self.k = torch.zeros(1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def append(self, k: Tensor, v: Tensor) -> None:
+        n = k.shape[2]
+        if self.length + n > self.k.shape[2]:
+            grow = max(self.length + n, 2 * self.k.shape[2])
+            self.k = torch.cat([self.k, self.k.new_zeros(*self.k.shape[:2], grow - self.k.shape[2], self.k.shape[3])], 2)
+            self.v = torch.cat([self.v, self.v.new_zeros(*self.v.shape[:2], grow - self.v.shape[2], self.v.shape[3])], 2)
+        self.k[:, :, self.length : self.length + n] = k
+        self.v[:, :, self.length : self.length + n] = v
+        self.length += n
+
+    def view(self) -> tuple[Tensor, Tensor]:
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+
+class EagleDrafter:
+    """Dynamic-tree drafter for an :class:`Eagle3Head`."""
+
+    def __init__(self, head: Eagle3Head, depth: int = 5, top_k: int = 4, total_tokens: int = 16):
+        if depth < 1 or top_k < 1 or total_tokens < 1:
+            raise ValueError(f"depth, top_k and total_tokens must be >= 1, got {depth}, {top_k}, {total_tokens}")
+        self.head = head
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.hidden_layers = tuple(head.cfg.feature_layers)
+        self.param = next(head.parameters())
+        self.kv: HeadKV | None = None
+        self.committed = 0
+        self.pending: tuple[Tensor, Tensor] | None = None
+
+    def _take(self, step: StepResult) -> None:
+        feats = torch.cat([step.hidden_states[i] for i in self.hidden_layers], -1)[0]  # (k, 3H)
+        k = feats.shape[0]
+        tokens = step.tokens[-k:]  # the token after each featured position
+        if self.pending is not None:  # a step with no propose in between (should not happen) keeps order
+            feats = torch.cat([self.pending[0], feats])
+            tokens = torch.cat([self.pending[1], tokens])
+        self.pending = (feats, tokens)
+
+    def reset(self, step: StepResult) -> None:
+        c = self.head.cfg
+        self.kv = HeadKV(c.num_key_value_heads, c.head_dim, self.param.dtype, self.param.device)
+        self.committed = 0
+        self.pending = None
+        self._take(step)
+
+    def update(self, step: StepResult) -> None:
+        self._take(step)
+
+    def _run(self, emb: Tensor, feature: Tensor, positions: Tensor, visible_tree: Tensor | None) -> Tensor:
+        """Run the layer on n inputs appended to the cache; returns outputs (n, H).
+
+        visible_tree: (n, n_tree_entries) bool over the tree entries already in the cache after the
+        committed prefix, or None for committed (causal) inputs.
+        """
+        mid = self.head.midlayer
+        n = emb.shape[0]
+        q, k, v = mid.qkv(emb[None], feature[None], positions[None])
+        start = self.kv.length
+        self.kv.append(k, v)
+        keys, values = self.kv.view()
+        mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=emb.device)
+        if visible_tree is None:  # causal among the new committed inputs
+            mask[:, start:] = torch.tril(torch.ones(n, n, dtype=torch.bool, device=emb.device))
+        else:
+            mask[:, self.committed :] = visible_tree
+        return mid.finish(feature[None], q, keys, values, mask[None, None])[0]
+
+    @torch.inference_mode()
+    def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        head, dev = self.head, self.param.device
+        self.kv.length = self.committed  # 4. (of the previous step) drop last step's tree entries
+        # 1. feed committed pairs
+        feats, next_tokens = self.pending
+        self.pending = None
+        n = feats.shape[0]
+        positions = torch.arange(self.committed, self.committed + n, device=dev)
+        emb = head.embed(next_tokens.to(dev)).to(self.param.dtype)
+        out = self._run(emb, head.fuse(feats.to(self.param.dtype)), positions, None)
+        self.committed += n
+        last_pos = self.committed - 1
+        # 2. expand: node 0 is the root (tokens[-1]); generated nodes follow in order
+        parents, node_tokens, scores = [-1], [int(tokens[-1])], [0.0]
+        node_hidden: dict[int, Tensor] = {0: out[-1]}  # output whose logits give a node's children
+        entry_of: list[int] = []  # tree node held by each tree entry in the head cache
+        ancestors = [[0]]
+        frontier = [0]
+        draft_ids = head.draft_ids
+        for d in range(self.depth):
+            h = torch.stack([node_hidden[f] for f in frontier])
+            logp = torch.log_softmax(head.logits(h).float(), -1)
+            top_lp, top_i = logp.topk(self.top_k, dim=-1)
+            new_nodes = []
+            for row, f in enumerate(frontier):
+                for lp, i in zip(top_lp[row].tolist(), draft_ids[top_i[row]].tolist()):
+                    parents.append(f)
+                    node_tokens.append(i)
+                    scores.append(scores[f] + lp)
+                    ancestors.append(ancestors[f] + [len(parents) - 1])
+                    new_nodes.append(len(parents) - 1)
+            if d + 1 == self.depth:
+                break
+            # next frontier: the top-k new nodes by cumulative score, run through the head
+            best = sorted(new_nodes, key=lambda x: -scores[x])[: self.top_k]
+            entry_of.extend(best)
+            visible = torch.tensor(
+                [[e in ancestors[b] for e in entry_of] for b in best], dtype=torch.bool, device=dev
+            )
+            emb = head.embed(torch.tensor([node_tokens[b] for b in best], device=dev)).to(self.param.dtype)
+            feature = torch.stack([node_hidden[parents[b]] for b in best])
+            pos = torch.full((len(best),), last_pos + d + 1, device=dev)
+            outs = self._run(emb, feature, pos, visible)
+            for b, o in zip(best, outs):
+                node_hidden[b] = o
+            frontier = best
+        # 3. rerank
+        tree = tree_from_parents(parents)
+        tree, keep = top_nodes_by_score(tree, torch.tensor(scores), self.total_tokens)
+        return Draft(tree, torch.tensor(node_tokens)[keep])

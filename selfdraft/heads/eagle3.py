@@ -1,0 +1,266 @@
+"""EAGLE-3 draft head (Li et al., 2025): fused multi-layer features, one decoder layer, reduced vocabulary.
+
+Inputs at position t: the embedding of token t+1 (the target's own embedding, shared) and a feature:
+at the first step ``fc(cat(low_t, mid_t, high_t))`` from three target layers, at later steps the
+head's own previous output (training-time test). The decoder layer normalises both and attends with
+q/k/v projections over their concatenation (2H -> heads), the residual stream is the feature; the
+output, after a final norm, is projected to a draft vocabulary of the most frequent target tokens
+(``d2t``: target id = draft id + d2t[draft id]; ``t2d``: which target ids are in it).
+
+Parameter names follow the layout the serving engines load (``fc``, ``midlayer.*``, ``norm``,
+``lm_head``, ``d2t``, ``t2d``); the code is ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    """Draft hidden size (= target hidden size)."""
+    target_hidden_size: int
+    """Width of each fused target feature."""
+    intermediate_size: int
+    """MLP width of the draft decoder layer."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    """Target vocabulary size."""
+    draft_vocab_size: int
+    """Reduced draft vocabulary (most frequent target tokens)."""
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 8192
+    feature_layers: tuple[int, int, int] = (2, 0, 0)
+    """Target hidden-state indices fused (inputs of layers low, mid, high); default 2, L//2, L-3."""
+
+    @staticmethod
+    def for_target(model: nn.Module, draft_vocab_size: int) -> Eagle3Config:
+        c = model.config
+        n = c.num_hidden_layers
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return Eagle3Config(
+            hidden_size=c.hidden_size,
+            target_hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=head_dim,
+            vocab_size=c.vocab_size,
+            draft_vocab_size=min(draft_vocab_size, c.vocab_size),
+            rope_theta=float(theta),
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(getattr(c, "max_position_embeddings", 8192)),
+            feature_layers=(min(2, n - 1), n // 2, max(n - 3, 0)),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """(…, seq) positions -> cos, sin of shape (…, seq, head_dim) (rotate-half layout)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.cfg = cfg
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+
+    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x: (b, s, 2h) -> q (b, nh, s, hd), k and v (b, nkv, s, hd), rotary applied at ``positions`` (b, s)."""
+        b, s, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).view(b, s, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = rope(positions, c.head_dim, c.rope_theta)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """q (b, nh, s, hd) over k, v (b, nkv, S, hd) with a (b or 1, 1, s, S) bool mask -> (b, s, h)."""
+        groups = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        b, _, s, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The draft decoder layer over (embedding, feature) pairs."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def qkv(self, emb: Tensor, feature: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], -1)
+        return self.self_attn.project(x, positions)
+
+    def finish(self, feature: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        h = feature + self.self_attn.attend(q, k, v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 head. The target's embedding is referenced (not a submodule, never saved)."""
+
+    def __init__(self, cfg: Eagle3Config, target_embedding: nn.Module | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.__dict__["embed"] = target_embedding
+
+    def set_draft_vocab(self, draft_to_target: Tensor) -> None:
+        """draft_to_target: (draft_vocab,) target ids, sorted ascending."""
+        ids = draft_to_target.to(self.d2t.device).long()
+        if ids.numel() != self.cfg.draft_vocab_size:
+            raise ValueError(f"draft vocab has {ids.numel()} ids, config says {self.cfg.draft_vocab_size}")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @property
+    def draft_ids(self) -> Tensor:
+        """(draft_vocab,) target id of each draft id."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def fuse(self, features: Tensor) -> Tensor:
+        """(…, 3 * target_hidden) -> (…, hidden)."""
+        return self.fc(features)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Draft-vocabulary logits from the layer output."""
+        return self.lm_head(self.norm(h))
+
+    def forward(self, features: Tensor, input_ids: Tensor, target_logits: Tensor, loss_mask: Tensor,
+                attention_mask: Tensor, steps: int = 7, decay: float = 0.8):
+        """Training forward (so DDP wrappers see it): the :func:`eagle3_loss` triple."""
+        return eagle3_loss(self, features, input_ids, target_logits, loss_mask, attention_mask, steps, decay)
+
+
+def select_draft_vocab(token_counts: Tensor, size: int) -> Tensor:
+    """The ``size`` most frequent target ids, sorted ascending (ties: lower id first)."""
+    order = torch.sort(-token_counts.double(), stable=True).indices[:size]
+    return torch.sort(order).values
+
+
+def ttt_mask(seq: int, step: int, device: torch.device | None = None) -> Tensor:
+    """Training-time-test attention mask for unrolled step ``step`` (0-based): (seq, seq * (step + 1)) bool.
+
+    The query at position t sees step-0 keys at positions <= t (causal) and, for every later step
+    i <= step, only the key at its own position t (the draft's own earlier outputs along its path).
+    """
+    causal = torch.tril(torch.ones(seq, seq, dtype=torch.bool, device=device))
+    diag = torch.eye(seq, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diag] * step, dim=1)
+
+
+def eagle3_loss(
+    head: Eagle3Head,
+    features: Tensor,
+    input_ids: Tensor,
+    target_logits: Tensor,
+    loss_mask: Tensor,
+    attention_mask: Tensor,
+    steps: int = 7,
+    decay: float = 0.8,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """EAGLE-3 training loss with training-time test.
+
+    features: (b, s, 3H) fused-layer target features; input_ids, loss_mask, attention_mask: (b, s);
+    target_logits: (b, s, V) target logits. Step j predicts token t+2+j from position t; its target
+    is the target's distribution at position t+1+j restricted to the draft vocabulary. Returns
+    (sum_j decay^j * loss_j, per-step losses, per-step top-1 accuracies against the target argmax).
+    """
+    b, s, _ = features.shape
+    embed = head.embed
+    draft_ids = head.draft_ids
+    positions = torch.arange(s, device=features.device)[None].expand(b, s)
+    feature = head.fuse(features)
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+    total = features.new_zeros((), dtype=torch.float32)
+    losses, accs = [], []
+    for j in range(steps):
+        if j + 2 > s:
+            break
+        # inputs at t: embedding of token t+1+j (right-shifted; the tail is padding and masked out)
+        tok = torch.cat([input_ids[:, 1 + j :], input_ids.new_zeros(b, 1 + j)], 1)
+        emb = embed(tok).to(feature.dtype)
+        q, k, v = head.midlayer.qkv(emb, feature, positions + j)
+        keys.append(k)
+        values.append(v)
+        pad = attention_mask.bool()[:, None, None, :].repeat(1, 1, 1, j + 1)
+        mask = ttt_mask(s, j, features.device)[None, None] & pad
+        h = head.midlayer.finish(feature, q, torch.cat(keys, 2), torch.cat(values, 2), mask)
+        logits = head.logits(h)
+        # target distribution at t+1+j, restricted to the draft vocabulary and renormalised
+        tgt = torch.cat([target_logits[:, 1 + j :], target_logits.new_zeros(b, 1 + j, target_logits.shape[-1])], 1)
+        p = torch.softmax(tgt[..., draft_ids].float(), -1)
+        valid = torch.cat([loss_mask[:, 1 + j :], loss_mask.new_zeros(b, 1 + j)], 1).bool()
+        # positions t + 2 + j beyond the sequence have no label
+        valid &= torch.cat([attention_mask[:, 2 + j :], attention_mask.new_zeros(b, 2 + j)], 1).bool()
+        if bool(valid.any()):
+            logq = torch.log_softmax(logits[valid].float(), -1)
+            step_loss = -(p[valid] * logq).sum(-1).mean()
+            total = total + (decay**j) * step_loss
+            losses.append(step_loss.detach())
+            accs.append((logits[valid].argmax(-1) == p[valid].argmax(-1)).float().mean())
+        feature = h
+    return total, losses, accs

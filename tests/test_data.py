@@ -1,0 +1,104 @@
+"""Conversation loading: cut-off JSON recovery, validation with counted skips, assistant-only loss mask."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import char_tokenizer
+
+from selfdraft.data import (
+    collate,
+    load_conversations,
+    normalize,
+    parse_json_array,
+    prepare_samples,
+    tokenize_conversation,
+)
+
+
+def record(i: int) -> dict:
+    return {"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+
+
+def test_cut_off_array_recovers_every_complete_record(tmp_path):
+    """Guards the truncated ShareGPT file: all complete records load, the broken tail is reported."""
+    text = json.dumps([record(i) for i in range(5)], indent=2)
+    cut = text[: text.index('"id": "4"') + 12]  # cut inside the last record
+    path = tmp_path / "cut.json"
+    path.write_text(cut)
+    convs, report = load_conversations(path)
+    assert len(convs) == 4 and report.records == 4, report.describe()
+    assert report.truncated_bytes > 0 and "cut off" in report.describe()
+    items, left = parse_json_array(text)
+    assert len(items) == 5 and left == 0
+
+
+def test_jsonl_messages_and_folder(tmp_path):
+    """Guards the other input shapes: OpenAI messages in JSONL, and a folder of files."""
+    (tmp_path / "a.jsonl").write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n"
+    )
+    (tmp_path / "b.json").write_text(json.dumps([record(1)]))
+    convs, report = load_conversations(tmp_path)
+    assert len(convs) == 2, report.describe()
+
+
+@pytest.mark.parametrize(
+    "bad,reason",
+    [
+        ({"conversations": []}, "empty conversation"),
+        ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown role"),
+        ({"conversations": [{"from": "human", "value": 3}]}, "non-string content"),
+        ({"conversations": [{"from": "human", "value": "x"}]}, "no assistant turn"),
+        ({"text": "x"}, "no conversations/messages field"),
+    ],
+)
+def test_bad_records_are_counted_skips(bad, reason):
+    """Guards against crashing (or silently training) on malformed records."""
+    assert normalize(bad) == (None, reason)
+
+
+def test_missing_source_is_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_conversations(tmp_path / "nope.json")
+
+
+def test_loss_mask_covers_assistant_tokens_only():
+    """Guards the loss mask: exactly the assistant content (and its end marker) is trained."""
+    tok = char_tokenizer()
+    msgs = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cde"},
+            {"role": "user", "content": "f"}, {"role": "assistant", "content": "gh"}]
+    sample = tokenize_conversation(tok, msgs, max_len=100)
+    text = [tok.decode([i]) for i in sample.input_ids]
+    trained = "".join(t for t, m in zip(text, sample.loss_mask) if m)
+    assert trained == "cde</s>gh</s>", trained
+    batch = collate([sample, tokenize_conversation(tok, msgs[:2], 100)], pad_id=0)
+    assert batch["input_ids"].shape == batch["loss_mask"].shape == (2, len(sample.input_ids))
+
+
+def test_truncation_rule_and_counts():
+    """Guards the stated rule: keep the first max_len tokens; drop when no assistant token survives."""
+    tok = char_tokenizer()
+    long_user = [{"role": "user", "content": "x" * 50}, {"role": "assistant", "content": "y"}]
+    ok = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b" * 40}]
+    samples, counts = prepare_samples(tok, [long_user, ok], max_len=20)
+    assert len(samples) == 1 and len(samples[0].input_ids) == 20
+    assert counts["dropped: no assistant token within max_len"] == 1 and counts["truncated to max_len"] == 1
+
+
+def test_no_chat_template_is_an_error():
+    tok = char_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        tokenize_conversation(tok, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], 10)
+
+
+@pytest.mark.slow
+def test_shipped_sharegpt_recovers_17671_records():
+    """Guards the real cut-off ShareGPT V3 file: 17,671 complete records, the rest reported."""
+    from selfdraft.data import sharegpt_path
+
+    _, report = load_conversations(sharegpt_path())
+    assert report.records == 17671, report.describe()
+    assert report.truncated_bytes > 0

@@ -1,0 +1,109 @@
+"""Training loop on a tiny target: loss falls, target frozen, exact resume, W&B offline, two ranks agree."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("train_script", ROOT / "train" / "train.py")
+train = importlib.util.module_from_spec(spec)
+sys.modules["train_script"] = train  # dataclasses resolve annotations through sys.modules
+spec.loader.exec_module(train)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    """Conversations with learnable structure: the assistant repeats a pattern."""
+    path = tmp_path_factory.mktemp("data") / "convs.json"
+    records = []
+    for i in range(80):
+        word = "abcdefgh"[i % 8] * 3
+        records.append({"conversations": [{"from": "human", "value": f"say {word}"},
+                                          {"from": "gpt", "value": " ".join([word] * 6)}]})
+    path.write_text(json.dumps(records))
+    return path
+
+
+def config(tiny_target_dir, data_file, out, **kw):
+    base = train.TrainConfig(
+        target=str(tiny_target_dir), data=str(data_file), max_samples=64, eval_samples=8, max_len=64,
+        batch_size=4, max_steps=30, warmup_steps=2, lr=1e-2, log_every=2, eval_every=0, save_every=0,
+        out_dir=str(out), report_to="none", share_lm_head=False,
+    )
+    return replace(base, **kw)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("head", ["medusa", "eagle3"])
+def test_training_lowers_loss_and_keeps_target_frozen(tiny_target_dir, data_file, tmp_path, head, capsys):
+    """Guards the loop end to end: the loss falls, a head folder is written, the target is untouched."""
+    cfg = config(tiny_target_dir, data_file, tmp_path, head=head, draft_vocab_size=64, ttt_steps=3)
+    head_dir = train.main(cfg)
+    rows = [r for r in metrics(tmp_path) if "loss" in r]
+    first, last = rows[0], rows[-3:]
+    late_loss = sum(r["loss"] for r in last) / 3
+    late_top1 = sum(r["top1/head0"] for r in last) / 3
+    # soft targets (eagle3) have a floor at the target's entropy, so judge the loss and the accuracy
+    assert late_loss < first["loss"] - 0.2, f"loss {first['loss']:.3f} -> {late_loss:.3f}"
+    assert late_top1 > first["top1/head0"] + 0.2, f"top-1 {first['top1/head0']:.2f} -> {late_top1:.2f}"
+    assert (head_dir / "model.safetensors").is_file() and (head_dir / "config.json").is_file()
+    assert "target weights bit-identical" in capsys.readouterr().out
+
+
+def test_resume_after_crash_equals_uninterrupted(tiny_target_dir, data_file, tmp_path, monkeypatch):
+    """Guards resume: same data order, optimizer and schedule, so the final head is identical."""
+    full = config(tiny_target_dir, data_file, tmp_path / "full", max_steps=12, save_every=6)
+    train.main(full)
+    crashed = replace(full, out_dir=str(tmp_path / "crash"))
+    real_save = train.save_checkpoint
+
+    def save_then_die(acc, out_dir, step, state):
+        real_save(acc, out_dir, step, state)
+        if step == 6:
+            raise KeyboardInterrupt("simulated kill after the step-6 checkpoint")
+
+    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(crashed)
+    monkeypatch.setattr(train, "save_checkpoint", real_save)
+    train.main(replace(crashed, resume=True))
+    a = (tmp_path / "full" / "head" / "model.safetensors").read_bytes()
+    b = (tmp_path / "crash" / "head" / "model.safetensors").read_bytes()
+    assert a == b, "resumed run differs from the uninterrupted one"
+
+
+def test_wandb_offline_run_files_hold_metrics(tiny_target_dir, data_file, tmp_path):
+    """Guards logging without an account: offline run files are written with the metrics."""
+    cfg = config(tiny_target_dir, data_file, tmp_path, max_steps=4, report_to="wandb")
+    os.environ.pop("WANDB_MODE", None)
+    train.main(cfg)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs, f"no offline run under {tmp_path / 'wandb'}"
+    blobs = b"".join(p.read_bytes() for p in runs[0].rglob("*.wandb"))
+    assert b"tau_estimate" in blobs and b"loss" in blobs
+
+
+def test_two_cpu_processes_agree(tiny_target_dir, data_file, tmp_path):
+    """Guards DDP on CPU (gloo): both ranks end with the same head weights."""
+    # accelerate's own --cpu multi-process launch needs mpirun; torchrun (--multi_gpu) + gloo needs nothing
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", "29533", str(ROOT / "train" / "train.py"),
+           f"target={tiny_target_dir}", f"data={data_file}", "max_samples=64", "eval_samples=8", "max_len=64",
+           "batch_size=2", "max_steps=6", "log_every=2", "eval_every=0", "save_every=0", "report_to=none",
+           f"out_dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    digests = sorted(line.split()[-1] for line in proc.stdout.splitlines() if "head digest" in line)
+    assert "MULTI_CPU x2" in proc.stdout, proc.stdout[-2000:]
+    assert len(digests) == 2 and digests[0] == digests[1], proc.stdout[-2000:]

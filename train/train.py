@@ -1,0 +1,300 @@
+"""Train a draft head on a frozen target.
+
+    accelerate launch train/train.py configs/train/smollm2_medusa.yaml [key=value ...]
+    python train/train.py configs/train/smollm2_medusa.yaml max_steps=50     (one process)
+
+The loop is plain PyTorch + accelerate: the frozen target runs under no_grad to produce features,
+only head parameters reach the optimizer; bf16 autocast, gradient accumulation, clipping, warmup +
+cosine schedule, held-out eval, W&B logging (offline unless WANDB_MODE says otherwise), atomic
+checkpoints and exact resume (same data order, optimizer, scheduler and RNG state).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from selfdraft.config import load, opt
+from selfdraft.data import collate, load_conversations, prepare_samples, sharegpt_path
+from selfdraft.heads import head_type, save
+from selfdraft.heads.eagle3 import Eagle3Config, select_draft_vocab
+from selfdraft.heads.medusa import MedusaConfig, medusa_loss
+from selfdraft.target import load_target
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    target: str = opt("smollm2", "target: alias, local folder, .gguf file or hub id")
+    target_dtype: str = opt("float32", "dtype the frozen target runs in (bfloat16 is faster on this CPU)")
+    head: str = opt("medusa", "head type: medusa or eagle3")
+    num_heads: int = opt(4, "medusa: number of heads (draft depth)")
+    num_layers: int = opt(1, "medusa: residual blocks per head")
+    share_lm_head: bool = opt(True, "medusa: project with the target's lm_head instead of per-head copies")
+    data: str = opt("sharegpt", "'sharegpt' (the shipped ShareGPT V3), a JSON/JSONL file or folder, or a hub id")
+    max_samples: int = opt(2000, "conversations to use (0 = all)")
+    eval_samples: int = opt(32, "held-out conversations for eval loss/accuracy")
+    max_len: int = opt(512, "tokens per sample: longer ones are truncated (the first max_len kept)")
+    batch_size: int = opt(4, "samples per micro-batch per process")
+    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    lr: float = opt(1e-3, "peak learning rate")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    warmup_steps: int = opt(20, "linear warmup steps")
+    max_steps: int = opt(200, "optimizer steps")
+    clip: float = opt(1.0, "gradient-norm clipping (0 = off)")
+    loss_decay: float = opt(0.8, "weight of medusa head k / eagle3 unrolled step k is loss_decay**k")
+    draft_vocab_size: int = opt(8192, "eagle3: reduced draft vocabulary (most frequent trained tokens)")
+    ttt_steps: int = opt(7, "eagle3: training-time-test unrolled steps")
+    mixed_precision: str = opt("no", "accelerate mixed precision: no or bf16")
+    log_every: int = opt(10, "steps between metric logs")
+    eval_every: int = opt(100, "steps between evals (0 = only at the end)")
+    save_every: int = opt(100, "steps between checkpoints (0 = only at the end)")
+    out_dir: str = opt("runs/medusa", "run folder: checkpoints/, head/ (the result), wandb/")
+    report_to: str = opt("wandb", "wandb or none")
+    wandb_project: str = opt("selfdraft", "W&B project name")
+    seed: int = opt(0, "seed for init and data order")
+    resume: bool = opt(False, "continue from the last checkpoint in out_dir")
+
+
+def build_samples(cfg: TrainConfig, tokenizer, accelerator: Accelerator):
+    source = sharegpt_path() if cfg.data == "sharegpt" else cfg.data
+    conversations, report = load_conversations(source, limit=(cfg.max_samples + cfg.eval_samples) or None)
+    accelerator.print(f"[data] {source}: {report.describe()}")
+    samples, counts = prepare_samples(tokenizer, conversations, cfg.max_len)
+    accelerator.print(f"[data] tokenised with the chat template, max_len {cfg.max_len}: {dict(counts)}")
+    if len(samples) <= cfg.eval_samples:
+        raise ValueError(f"only {len(samples)} usable samples; need more than eval_samples={cfg.eval_samples}")
+    return samples[cfg.eval_samples :], samples[: cfg.eval_samples]
+
+
+def batch_order(n: int, batch: int, seed: int, rank: int, world: int):
+    """Endless, deterministic stream of sample-index batches for this rank (reshuffled each epoch)."""
+    epoch = 0
+    while True:
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        per_step = batch * world
+        for start in range(0, n - per_step + 1, per_step):
+            chunk = perm[start : start + per_step]
+            yield chunk[rank * batch : (rank + 1) * batch]
+        epoch += 1
+
+
+def make_head(cfg: TrainConfig, model: torch.nn.Module, samples: list) -> tuple[object, torch.nn.Module]:
+    """The head config and a fresh head for ``cfg.head``."""
+    c = model.config
+    if cfg.head == "medusa":
+        head_cfg = MedusaConfig(c.hidden_size, c.vocab_size, cfg.num_heads, cfg.num_layers, cfg.share_lm_head)
+        return head_cfg, head_type("medusa").build(head_cfg, model)
+    if cfg.head == "eagle3":
+        head_cfg = Eagle3Config.for_target(model, cfg.draft_vocab_size)
+        head = head_type("eagle3").build(head_cfg, model)
+        counts = torch.zeros(c.vocab_size, dtype=torch.long)
+        for s in samples:
+            ids = torch.tensor(s.input_ids)[torch.tensor(s.loss_mask).bool()]
+            counts += torch.bincount(ids, minlength=c.vocab_size)
+        head.set_draft_vocab(select_draft_vocab(counts, head_cfg.draft_vocab_size))
+        covered = counts[head.draft_ids.cpu()].sum().item() / max(1, counts.sum().item())
+        print(f"[head] eagle3 draft vocabulary {head_cfg.draft_vocab_size} ids cover {100 * covered:.1f}% of trained tokens")
+        return head_cfg, head
+    raise KeyError(f"unknown head '{cfg.head}'; train.py supports medusa and eagle3")
+
+
+def head_loss(cfg: TrainConfig, head, target, batch) -> tuple[torch.Tensor, dict]:
+    ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    if cfg.head == "medusa":
+        with torch.no_grad():
+            hidden = target(input_ids=ids, attention_mask=attn, output_hidden_states=[-1]).hidden_states[-1]
+        loss, losses, accs = medusa_loss(head(hidden), ids, lmask, cfg.loss_decay)
+    else:
+        layers = list((head.module if hasattr(head, "module") else head).cfg.feature_layers)
+        with torch.no_grad():
+            out = target(input_ids=ids, attention_mask=attn, output_hidden_states=layers)
+            features = torch.cat([out.hidden_states[i] for i in layers], -1).float()
+        # through the (possibly DDP-wrapped) module's forward, so gradients are synchronised
+        loss, losses, accs = head(features, ids, out.logits, lmask, attn, cfg.ttt_steps, cfg.loss_decay)
+    metrics = {f"loss/head{k}": float(v) for k, v in enumerate(losses)}
+    metrics.update({f"top1/head{k}": float(v) for k, v in enumerate(accs)})
+    # expected tau from per-depth accuracies along the top-1 chain: 1 + sum_k prod_{j<=k} acc_j
+    chain, tau = 1.0, 1.0
+    for a in accs:
+        chain *= float(a)
+        tau += chain
+    metrics["tau_estimate"] = tau
+    return loss, metrics
+
+
+def lr_lambda(cfg: TrainConfig):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def write_metrics(accelerator: Accelerator, out_dir: Path, step: int, metrics: dict) -> None:
+    """Append one JSON line to out_dir/metrics.jsonl (main process)."""
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with open(out_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer's bytes: proves the target stayed frozen."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    ckpts = sorted((out_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return ckpts[-1] if ckpts else None
+
+
+def save_checkpoint(accelerator: Accelerator, out_dir: Path, step: int, state: dict) -> None:
+    """accelerate state + trainer state, written to a temp folder and renamed: a kill mid-save keeps the last one."""
+    final = out_dir / "checkpoints" / f"step-{step}"
+    tmp = out_dir / "checkpoints" / f".tmp-step-{step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        if final.exists():  # re-saving a step (a rerun into the same folder): swap, then drop the old one
+            old = final.with_name(f".old-{final.name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+
+
+def evaluate(cfg: TrainConfig, head, target, samples, pad_id: int) -> dict:
+    head.eval()
+    totals: dict[str, float] = {}
+    batches = [samples[i : i + cfg.batch_size] for i in range(0, len(samples), cfg.batch_size)]
+    with torch.no_grad():
+        for chunk in batches:
+            _, metrics = head_loss(cfg, head, target, collate(chunk, pad_id))
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v / len(batches)
+    head.train()
+    return {f"eval/{k}": v for k, v in totals.items()}
+
+
+def main(cfg: TrainConfig) -> Path:
+    out_dir = Path(cfg.out_dir)
+    use_wandb = cfg.report_to == "wandb"
+    if use_wandb:
+        os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_DIR", str(out_dir))
+        out_dir.mkdir(parents=True, exist_ok=True)
+    accelerator = Accelerator(
+        # on a machine without GPUs, processes started by torchrun (accelerate launch --multi_gpu)
+        # join one gloo group: that is how DDP runs on CPUs without MPI
+        cpu=not torch.cuda.is_available(),
+        gradient_accumulation_steps=cfg.grad_accum,
+        mixed_precision=cfg.mixed_precision,
+        log_with="wandb" if use_wandb else None,
+    )
+    set_seed(cfg.seed)
+    accelerator.print(f"[accelerate] {accelerator.distributed_type} x{accelerator.num_processes} on {accelerator.device}")
+    target = load_target(cfg.target, dtype=cfg.target_dtype, device=str(accelerator.device))
+    model, tokenizer = target.model, target.tokenizer
+    frozen_before = weights_digest(model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    train_samples, eval_samples = build_samples(cfg, tokenizer, accelerator)
+
+    head_cfg, head = make_head(cfg, model, train_samples)
+    head = head.float()
+    n_params = sum(p.numel() for p in head.parameters())
+    accelerator.print(f"[head] {cfg.head}: {n_params / 1e6:.2f}M trainable parameters "
+                      f"({100 * n_params / sum(p.numel() for p in model.parameters()):.1f}% of the target)")
+    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
+
+    step, consumed = 0, 0
+    if cfg.resume:
+        ckpt = latest_checkpoint(out_dir)
+        if ckpt is None:
+            raise FileNotFoundError(f"resume=true but no checkpoint under {out_dir / 'checkpoints'}")
+        accelerator.load_state(str(ckpt))
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        step, consumed = state["step"], state["micro_batches"]
+        accelerator.print(f"[resume] from {ckpt} at step {step}")
+    if use_wandb:
+        accelerator.init_trackers(cfg.wandb_project, config=asdict(cfg))
+
+    stream = batch_order(len(train_samples), cfg.batch_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
+    for _ in range(consumed):
+        next(stream)  # same data order as an uninterrupted run
+    head.train()
+    t0, tokens_seen = time.perf_counter(), 0
+    while step < cfg.max_steps:
+        for _ in range(cfg.grad_accum):
+            batch = collate([train_samples[i] for i in next(stream)], pad_id)
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            consumed += 1
+            tokens_seen += int(batch["attention_mask"].sum())
+            with accelerator.accumulate(head), accelerator.autocast():
+                loss, metrics = head_loss(cfg, head, model, batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.clip > 0:
+                    accelerator.clip_grad_norm_(head.parameters(), cfg.clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        step += 1
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            metrics.update(loss=float(loss.detach()), lr=scheduler.get_last_lr()[0], tokens_seen=tokens_seen * accelerator.num_processes)
+            accelerator.log(metrics, step=step)
+            write_metrics(accelerator, out_dir, step, metrics)
+            accelerator.print(f"step {step}/{cfg.max_steps} loss {float(loss.detach()):.4f} tau~{metrics['tau_estimate']:.2f} "
+                              f"lr {metrics['lr']:.2e} {time.perf_counter() - t0:.0f}s")
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
+            eval_metrics = evaluate(cfg, head, model, eval_samples, pad_id)
+            accelerator.log(eval_metrics, step=step)
+            write_metrics(accelerator, out_dir, step, eval_metrics)
+        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+            save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed})
+
+    eval_metrics = evaluate(cfg, head, model, eval_samples, pad_id)
+    accelerator.log(eval_metrics, step=step)
+    write_metrics(accelerator, out_dir, step, eval_metrics)
+    accelerator.print("[eval] " + " ".join(f"{k} {v:.3f}" for k, v in sorted(eval_metrics.items())))
+    save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed})
+    head_dir = out_dir / "head"
+    if accelerator.is_main_process:
+        save(head_dir, cfg.head, head_cfg, accelerator.unwrap_model(head), model, cfg.target)
+        accelerator.print(f"[done] head saved to {head_dir} ({time.perf_counter() - t0:.0f}s, "
+                          f"{tokens_seen * accelerator.num_processes} tokens seen)")
+    print(f"[rank {accelerator.process_index}] head digest {weights_digest(accelerator.unwrap_model(head))}")
+    if weights_digest(model) != frozen_before:
+        raise RuntimeError("the frozen target's weights changed during training")
+    accelerator.print("[check] target weights bit-identical before and after training")
+    accelerator.end_training()
+    return head_dir
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    main(load(TrainConfig, path, argv))
