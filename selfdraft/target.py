@@ -23,6 +23,7 @@ from safetensors.torch import save_model
 from torch import nn
 
 from selfdraft.adapter import check_supported
+from selfdraft.assets import package_file
 
 
 @dataclass(frozen=True)
@@ -78,23 +79,17 @@ class Target:
 
 def _find_embedded(alias: str) -> Path:
     entry = ALIASES[alias]
-    spec = importlib.util.find_spec(entry.package)
-    if spec is None or not spec.submodule_search_locations:
-        raise TargetNotFoundError(f"target '{alias}' needs the package '{entry.package}': run `{entry.install}`")
     if entry.assembled:
-        module = importlib.import_module(entry.package)
+        if importlib.util.find_spec(entry.package) is None:
+            raise TargetNotFoundError(f"target '{alias}' needs the package '{entry.package}': run `{entry.install}`")
         try:
-            return Path(module.assemble())
+            return Path(importlib.import_module(entry.package).assemble())
         except (FileNotFoundError, ValueError) as err:
             raise TargetNotFoundError(f"could not assemble '{alias}' ({err}); reinstall: `{entry.install}`") from err
-    for root in spec.submodule_search_locations:
-        hits = sorted(Path(root).rglob("*.gguf"))
-        exact = [h for h in hits if h.name == entry.filename]
-        if exact or hits:
-            return (exact or hits)[0]
-    raise TargetNotFoundError(
-        f"package '{entry.package}' is installed but holds no .gguf file; reinstall it: `{entry.install}`"
-    )
+    try:
+        return package_file(entry.package, entry.filename, entry.install)
+    except FileNotFoundError as err:
+        raise TargetNotFoundError(f"target '{alias}': {err}") from err
 
 
 def resolve(spec: str) -> tuple[str, str | None]:

@@ -52,6 +52,7 @@ def test_bench_writes_table_and_json(tiny_target_dir, tmp_path):
         (["--drafter", "nosuch"], "unknown drafter"),
         (["--drafter", "prompt_lookup:bogus=1"], "bad options"),
         (["--temperature", "-1"], "temperature"),
+        (["--drafter", "head:path=/nonexistent/head"], "not a head folder"),
     ],
 )
 def test_generate_bad_input_is_one_clean_line(tiny_target_dir, args, needle):
@@ -72,3 +73,16 @@ def test_unknown_option_exits_nonzero():
     """Guards argparse handling of typos."""
     proc = run("generate", "--no-such-flag")
     assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
+
+
+def test_head_for_another_target_is_refused(tiny_target_dir, tmp_path):
+    """Guards against drafting with a head trained for a different model (silently useless or wrong)."""
+    from conftest import tiny_model
+
+    from selfdraft.heads import MedusaConfig, MedusaHeads, save
+
+    other = tiny_model("llama", seed=1)
+    cfg = MedusaConfig(other.config.hidden_size, other.config.vocab_size, num_heads=2)
+    path = save(tmp_path / "head", "medusa", cfg, MedusaHeads(cfg, other.lm_head), other, "other")
+    proc = run("generate", "--target", str(tiny_target_dir), "--dtype", "float32", "--drafter", f"head:path={path}")
+    assert_clean_error(proc, "trained for another target")
