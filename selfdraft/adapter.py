@@ -86,7 +86,7 @@ def attention_mask(
 @dataclass
 class ForwardOutput:
     logits: Tensor
-    """(batch, n, vocab) target logits at each input node."""
+    """(batch, n, vocab) target logits at each input node ((batch, 1, vocab) with last_logits_only)."""
     hidden_states: dict[int, Tensor] | None
     """(batch, n, hidden) states by requested hidden-state index."""
 
@@ -97,13 +97,15 @@ def tree_forward(
     tokens: Tensor,
     tree: Tree,
     hidden_layers: tuple[int, ...] = (),
+    last_logits_only: bool = False,
 ) -> ForwardOutput:
     """One target forward over all tree nodes, appended after the cache's committed prefix.
 
     tokens: (batch, n) node tokens in tree order. The KV of every node is written to the cache at
     ``cache.length + node``; call :meth:`SpecCache.compact` afterwards to keep the accepted path.
     ``hidden_layers`` selects hidden states to return (0 = embeddings, i = input of layer i, -1 =
-    final normed state).
+    final normed state). ``last_logits_only`` projects only the last node to the vocabulary (prefill:
+    the lm_head over every prompt position is wasted work).
     """
     device = tokens.device
     prefix = cache.length
@@ -120,6 +122,7 @@ def tree_forward(
         position_ids=positions[None].expand(tokens.shape[0], n),
         use_cache=True,
         output_hidden_states=list(hidden_layers) if hidden_layers else False,
+        logits_to_keep=1 if last_logits_only else 0,
         **{_cache_kwarg(type(model)): cache},
     )
     hidden = {i: out.hidden_states[i] for i in hidden_layers} if hidden_layers else None

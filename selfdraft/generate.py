@@ -170,7 +170,9 @@ def generate(
 
     # prefill: the whole prompt as a chain, then the first token from the last position
     t0 = time.perf_counter()
-    fwd = tree_forward(model, cache, prompt_ids[None].to(device), chain_tree(prompt_ids.numel() - 1), hidden_layers)
+    fwd = tree_forward(
+        model, cache, prompt_ids[None].to(device), chain_tree(prompt_ids.numel() - 1), hidden_layers, True
+    )
     first = int(choose(fwd.logits[0, -1], cfg.sampling, generator))
     stats.prefill_s = time.perf_counter() - t0
     done = emit([first], ["target"])

@@ -45,7 +45,7 @@ class DraftModelDrafter:
     def _feed(self, tokens: list[int]) -> Tensor:
         """Append tokens to the draft cache; returns the (V,) logits after the last one."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[None]
-        out = tree_forward(self.model, self.cache, ids, chain_tree(len(tokens) - 1))
+        out = tree_forward(self.model, self.cache, ids, chain_tree(len(tokens) - 1), last_logits_only=True)
         self.cached.extend(tokens)
         return out.logits[0, -1]
 
