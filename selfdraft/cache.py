@@ -13,7 +13,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-class _PreallocatedLayer(CacheLayerMixin):
+class PreallocatedLayer(CacheLayerMixin):
     """One layer's keys/values in (batch, kv_heads, max_len, head_dim) buffers, filled up to ``length``."""
 
     is_sliding = False  # sliding windows are applied through the attention mask, the cache keeps everything
@@ -90,7 +90,7 @@ class SpecCache(Cache):
     """
 
     def __init__(self, num_layers: int, max_len: int):
-        super().__init__(layers=[_PreallocatedLayer(max_len) for _ in range(num_layers)])
+        super().__init__(layers=[PreallocatedLayer(max_len) for _ in range(num_layers)])
 
     @property
     def length(self) -> int:

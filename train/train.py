@@ -28,6 +28,7 @@ from accelerate.utils import set_seed
 from selfdraft.config import load, opt
 from selfdraft.data import collate, load_conversations, prepare_samples, sharegpt_path
 from selfdraft.heads import head_type, save
+from selfdraft.heads.artifact import replace_dir
 from selfdraft.heads.eagle3 import Eagle3Config, select_draft_vocab
 from selfdraft.heads.medusa import MedusaConfig, medusa_loss
 from selfdraft.target import load_target
@@ -175,14 +176,7 @@ def save_checkpoint(accelerator: Accelerator, out_dir: Path, step: int, state: d
     accelerator.save_state(str(tmp))
     if accelerator.is_main_process:
         (tmp / "trainer_state.json").write_text(json.dumps(state))
-        if final.exists():  # re-saving a step (a rerun into the same folder): swap, then drop the old one
-            old = final.with_name(f".old-{final.name}")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        replace_dir(tmp, final)
     accelerator.wait_for_everyone()
 
 

@@ -59,8 +59,9 @@ class Drafter(Protocol):
     """Indices into the target's hidden states (0 = embeddings, i = input of layer i, -1 = final
     normed state) that :meth:`reset`/:meth:`update` need; empty for drafters that read tokens only."""
 
-    def reset(self, prompt: Tensor) -> None:
-        """Start a new sequence. prompt: (T,) token ids, already prefilled in the target."""
+    def reset(self, step: StepResult) -> None:
+        """Start a new sequence after the target's prefill: step.tokens is the prompt plus the first
+        generated token, step.hidden_states cover the prompt positions."""
 
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         """Propose a tree rooted at tokens[-1]. tokens: (T,) committed sequence."""

@@ -16,32 +16,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from selfdraft.cache import PreallocatedLayer
 from selfdraft.drafters.base import Draft, StepResult
 from selfdraft.heads.eagle3 import Eagle3Head
 from selfdraft.sampling import SamplingConfig
 from selfdraft.tree import top_nodes_by_score, tree_from_parents
-
-
-class HeadKV:
-    """The head's single-layer KV cache: (1, kv_heads, capacity, head_dim), grown on demand."""
-
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 1024):
-        self.k = torch.zeros(1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.length = 0
-
-    def append(self, k: Tensor, v: Tensor) -> None:
-        n = k.shape[2]
-        if self.length + n > self.k.shape[2]:
-            grow = max(self.length + n, 2 * self.k.shape[2])
-            self.k = torch.cat([self.k, self.k.new_zeros(*self.k.shape[:2], grow - self.k.shape[2], self.k.shape[3])], 2)
-            self.v = torch.cat([self.v, self.v.new_zeros(*self.v.shape[:2], grow - self.v.shape[2], self.v.shape[3])], 2)
-        self.k[:, :, self.length : self.length + n] = k
-        self.v[:, :, self.length : self.length + n] = v
-        self.length += n
-
-    def view(self) -> tuple[Tensor, Tensor]:
-        return self.k[:, :, : self.length], self.v[:, :, : self.length]
 
 
 class EagleDrafter:
@@ -54,7 +33,7 @@ class EagleDrafter:
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.hidden_layers = tuple(head.cfg.feature_layers)
         self.param = next(head.parameters())
-        self.kv: HeadKV | None = None
+        self.kv = PreallocatedLayer(1024)  # the head's one-layer KV cache, grown on demand
         self.committed = 0
         self.pending: tuple[Tensor, Tensor] | None = None
 
@@ -68,8 +47,7 @@ class EagleDrafter:
         self.pending = (feats, tokens)
 
     def reset(self, step: StepResult) -> None:
-        c = self.head.cfg
-        self.kv = HeadKV(c.num_key_value_heads, c.head_dim, self.param.dtype, self.param.device)
+        self.kv.reset()
         self.committed = 0
         self.pending = None
         self._take(step)
@@ -87,8 +65,7 @@ class EagleDrafter:
         n = emb.shape[0]
         q, k, v = mid.qkv(emb[None], feature[None], positions[None])
         start = self.kv.length
-        self.kv.append(k, v)
-        keys, values = self.kv.view()
+        keys, values = self.kv.update(k, v)
         mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=emb.device)
         if visible_tree is None:  # causal among the new committed inputs
             mask[:, start:] = torch.tril(torch.ones(n, n, dtype=torch.bool, device=emb.device))

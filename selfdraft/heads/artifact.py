@@ -53,6 +53,19 @@ def target_info(model: nn.Module, name: str) -> dict[str, Any]:
     }
 
 
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a fully written folder into place; an existing one is swapped out first, then removed.
+
+    At every moment ``final`` is either the old complete folder or the new one.
+    """
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_head(path: str | Path, head_type: str, config: Any, module: nn.Module, target: dict, extra: dict | None = None) -> Path:
     """Write the head folder atomically (temp folder, then rename over any old one)."""
     path = Path(path)
@@ -69,11 +82,7 @@ def save_head(path: str | Path, head_type: str, config: Any, module: nn.Module, 
             **(extra or {}),
         }
         (tmp / "config.json").write_text(json.dumps(meta, indent=2))
-        old = path.with_name(f".{path.name}.old")
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
