@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -90,8 +91,14 @@ def test_wandb_offline_run_files_hold_metrics(tiny_target_dir, data_file, tmp_pa
     train.main(cfg)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs, f"no offline run under {tmp_path / 'wandb'}"
-    blobs = b"".join(p.read_bytes() for p in runs[0].rglob("*.wandb"))
-    assert b"tau_estimate" in blobs and b"loss" in blobs
+    # wandb's service process finishes writing the run file shortly after finish() returns: wait for it
+    deadline = time.monotonic() + 60
+    while True:
+        blobs = b"".join(p.read_bytes() for p in runs[0].rglob("*.wandb"))
+        if (b"tau_estimate" in blobs and b"loss" in blobs) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert b"tau_estimate" in blobs and b"loss" in blobs, f"{len(blobs)} bytes of run data without the metrics"
 
 
 def test_two_cpu_processes_agree(tiny_target_dir, data_file, tmp_path):
