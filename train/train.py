@@ -27,18 +27,20 @@ from accelerate.utils import set_seed
 
 from selfdraft.config import load, opt
 from selfdraft.data import collate, load_conversations, prepare_samples, sharegpt_path
-from selfdraft.heads import head_type, save
+from selfdraft.generate import GenerationConfig, generate
+from selfdraft.heads import head_type, load_head, save
 from selfdraft.heads.artifact import replace_dir
+from selfdraft.heads.eagle1 import Eagle1Config
 from selfdraft.heads.eagle3 import Eagle3Config, select_draft_vocab
 from selfdraft.heads.medusa import MedusaConfig, medusa_loss
-from selfdraft.target import load_target
+from selfdraft.target import eos_ids, load_target
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     target: str = opt("smollm2", "target: alias, local folder, .gguf file or hub id")
     target_dtype: str = opt("float32", "dtype the frozen target runs in (bfloat16 is faster on this CPU)")
-    head: str = opt("medusa", "head type: medusa or eagle3")
+    head: str = opt("medusa", "head type: medusa, eagle1 or eagle3")
     num_heads: int = opt(4, "medusa: number of heads (draft depth)")
     num_layers: int = opt(1, "medusa: residual blocks per head")
     share_lm_head: bool = opt(True, "medusa: project with the target's lm_head instead of per-head copies")
@@ -56,9 +58,14 @@ class TrainConfig:
     loss_decay: float = opt(0.8, "weight of medusa head k / eagle3 unrolled step k is loss_decay**k")
     draft_vocab_size: int = opt(8192, "eagle3: reduced draft vocabulary (most frequent trained tokens)")
     ttt_steps: int = opt(7, "eagle3: training-time-test unrolled steps")
+    feature_weight: float = opt(1.0, "eagle1: weight of the smooth-L1 feature regression loss")
+    token_weight: float = opt(0.1, "eagle1: weight of the soft cross-entropy token loss")
+    feature_noise: float = opt(0.2, "eagle1: width of uniform noise added to input features (0 = off)")
     mixed_precision: str = opt("no", "accelerate mixed precision: no or bf16")
     log_every: int = opt(10, "steps between metric logs")
     eval_every: int = opt(100, "steps between evals (0 = only at the end)")
+    eval_tau_prompts: int = opt(4, "held-out prompts the saved head drafts for through the engine at each eval (0 = off)")
+    eval_tau_tokens: int = opt(64, "new tokens per real-tau eval prompt")
     save_every: int = opt(100, "steps between checkpoints (0 = only at the end)")
     out_dir: str = opt("runs/medusa", "run folder: checkpoints/, head/ (the result), wandb/")
     report_to: str = opt("wandb", "wandb or none")
@@ -96,6 +103,9 @@ def make_head(cfg: TrainConfig, model: torch.nn.Module, samples: list) -> tuple[
     if cfg.head == "medusa":
         head_cfg = MedusaConfig(c.hidden_size, c.vocab_size, cfg.num_heads, cfg.num_layers, cfg.share_lm_head)
         return head_cfg, head_type("medusa").build(head_cfg, model)
+    if cfg.head == "eagle1":
+        head_cfg = Eagle1Config.for_target(model)
+        return head_cfg, head_type("eagle1").build(head_cfg, model)
     if cfg.head == "eagle3":
         head_cfg = Eagle3Config.for_target(model, cfg.draft_vocab_size)
         head = head_type("eagle3").build(head_cfg, model)
@@ -107,7 +117,7 @@ def make_head(cfg: TrainConfig, model: torch.nn.Module, samples: list) -> tuple[
         covered = counts[head.draft_ids.cpu()].sum().item() / max(1, counts.sum().item())
         print(f"[head] eagle3 draft vocabulary {head_cfg.draft_vocab_size} ids cover {100 * covered:.1f}% of trained tokens")
         return head_cfg, head
-    raise KeyError(f"unknown head '{cfg.head}'; train.py supports medusa and eagle3")
+    raise KeyError(f"unknown head '{cfg.head}'; train.py supports medusa, eagle1 and eagle3")
 
 
 def head_loss(cfg: TrainConfig, head, target, batch) -> tuple[torch.Tensor, dict]:
@@ -116,6 +126,13 @@ def head_loss(cfg: TrainConfig, head, target, batch) -> tuple[torch.Tensor, dict
         with torch.no_grad():
             hidden = target(input_ids=ids, attention_mask=attn, output_hidden_states=[-1]).hidden_states[-1]
         loss, losses, accs = medusa_loss(head(hidden), ids, lmask, cfg.loss_decay)
+    elif cfg.head == "eagle1":
+        with torch.no_grad():
+            out = target(input_ids=ids, attention_mask=attn, output_hidden_states=[-1])
+        noise = cfg.feature_noise if head.training else 0.0
+        loss, losses, accs = head(out.hidden_states[-1].float(), ids, out.logits, lmask, attn,
+                                  cfg.feature_weight, cfg.token_weight, noise)
+        losses = {"feature": losses[0], "token": losses[1]}
     else:
         layers = list((head.module if hasattr(head, "module") else head).cfg.feature_layers)
         with torch.no_grad():
@@ -123,7 +140,8 @@ def head_loss(cfg: TrainConfig, head, target, batch) -> tuple[torch.Tensor, dict
             features = torch.cat([out.hidden_states[i] for i in layers], -1).float()
         # through the (possibly DDP-wrapped) module's forward, so gradients are synchronised
         loss, losses, accs = head(features, ids, out.logits, lmask, attn, cfg.ttt_steps, cfg.loss_decay)
-    metrics = {f"loss/head{k}": float(v) for k, v in enumerate(losses)}
+    named = losses.items() if isinstance(losses, dict) else enumerate(losses)
+    metrics = {f"loss/{k}" if isinstance(k, str) else f"loss/head{k}": float(v) for k, v in named}
     metrics.update({f"top1/head{k}": float(v) for k, v in enumerate(accs)})
     # expected tau from per-depth accuracies along the top-1 chain: 1 + sum_k prod_{j<=k} acc_j
     chain, tau = 1.0, 1.0
@@ -191,6 +209,29 @@ def evaluate(cfg: TrainConfig, head, target, samples, pad_id: int) -> dict:
                 totals[k] = totals.get(k, 0.0) + v / len(batches)
     head.train()
     return {f"eval/{k}": v for k, v in totals.items()}
+
+
+def real_tau(cfg: TrainConfig, head_cfg: object, head: torch.nn.Module, model: torch.nn.Module, samples: list,
+             out_dir: Path, tokenizer=None) -> dict:
+    """The real accept length: save the head, load it as users do, draft through the engine on held-out prompts.
+
+    Each prompt is a held-out sample up to its first trained (assistant) token, so it ends with the
+    rendered generation prompt. Greedy, ``eval_tau_tokens`` new tokens each. Main process only.
+    """
+    if cfg.eval_tau_prompts <= 0:
+        return {}
+    folder = save(out_dir / ".eval-head", cfg.head, head_cfg, head, model, cfg.target)
+    _, loaded, _ = load_head(folder, model)
+    stops = eos_ids(model, tokenizer)
+    steps = new = 0
+    t0 = time.perf_counter()
+    for sample in samples[: cfg.eval_tau_prompts]:
+        first = sample.loss_mask.index(1) if 1 in sample.loss_mask else len(sample.input_ids)
+        drafter = head_type(cfg.head).drafter(loaded)
+        out = generate(model, sample.input_ids[:first], drafter, GenerationConfig(max_new_tokens=cfg.eval_tau_tokens), stops)
+        steps += out.stats.steps
+        new += out.stats.new_tokens
+    return {"eval/tau": new / max(1, steps), "eval/tau_tokens_per_s": new / (time.perf_counter() - t0)}
 
 
 def main(cfg: TrainConfig) -> Path:
@@ -265,12 +306,16 @@ def main(cfg: TrainConfig) -> Path:
                               f"lr {metrics['lr']:.2e} {time.perf_counter() - t0:.0f}s")
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
             eval_metrics = evaluate(cfg, head, model, eval_samples, pad_id)
+            if accelerator.is_main_process:
+                eval_metrics.update(real_tau(cfg, head_cfg, accelerator.unwrap_model(head), model, eval_samples, out_dir, tokenizer))
             accelerator.log(eval_metrics, step=step)
             write_metrics(accelerator, out_dir, step, eval_metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
             save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed})
 
     eval_metrics = evaluate(cfg, head, model, eval_samples, pad_id)
+    if accelerator.is_main_process:
+        eval_metrics.update(real_tau(cfg, head_cfg, accelerator.unwrap_model(head), model, eval_samples, out_dir, tokenizer))
     accelerator.log(eval_metrics, step=step)
     write_metrics(accelerator, out_dir, step, eval_metrics)
     accelerator.print("[eval] " + " ".join(f"{k} {v:.3f}" for k, v in sorted(eval_metrics.items())))

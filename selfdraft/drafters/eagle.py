@@ -1,4 +1,4 @@
-"""EAGLE drafting with a dynamic tree (EAGLE-2, Li et al. 2024) for an EAGLE-3 head.
+"""EAGLE drafting with a dynamic tree (EAGLE-2, Li et al. 2024) for EAGLE-1 and EAGLE-3 heads.
 
 The head keeps its own KV cache over committed (feature, next token) pairs. Each step:
 1. feed the pairs committed since the last step (target features of the accepted path);
@@ -18,27 +18,31 @@ from torch import Tensor
 
 from selfdraft.cache import PreallocatedLayer
 from selfdraft.drafters.base import Draft, StepResult
-from selfdraft.heads.eagle3 import Eagle3Head
 from selfdraft.sampling import SamplingConfig
 from selfdraft.tree import top_nodes_by_score, tree_from_parents
 
 
 class EagleDrafter:
-    """Dynamic-tree drafter for an :class:`Eagle3Head`."""
+    """Dynamic-tree drafter for an EAGLE head.
 
-    def __init__(self, head: Eagle3Head, depth: int = 5, top_k: int = 4, total_tokens: int = 16):
+    The head provides ``feature_layers``, ``fuse`` (target features -> draft feature), ``project`` /
+    ``complete`` (one decoder-layer step split around attention so this drafter owns the KV cache),
+    ``logits`` and ``draft_ids`` (reduced-vocabulary map, or None for the full vocabulary).
+    """
+
+    def __init__(self, head, depth: int = 5, top_k: int = 4, total_tokens: int = 16):
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise ValueError(f"depth, top_k and total_tokens must be >= 1, got {depth}, {top_k}, {total_tokens}")
         self.head = head
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.hidden_layers = tuple(head.cfg.feature_layers)
+        self.hidden_layers = tuple(head.feature_layers)
         self.param = next(head.parameters())
         self.kv = PreallocatedLayer(1024)  # the head's one-layer KV cache, grown on demand
         self.committed = 0
         self.pending: tuple[Tensor, Tensor] | None = None
 
     def _take(self, step: StepResult) -> None:
-        feats = torch.cat([step.hidden_states[i] for i in self.hidden_layers], -1)[0]  # (k, 3H)
+        feats = torch.cat([step.hidden_states[i] for i in self.hidden_layers], -1)[0]  # (k, features)
         k = feats.shape[0]
         tokens = step.tokens[-k:]  # the token after each featured position
         if self.pending is not None:  # a step with no propose in between (should not happen) keeps order
@@ -61,9 +65,8 @@ class EagleDrafter:
         visible_tree: (n, n_tree_entries) bool over the tree entries already in the cache after the
         committed prefix, or None for committed (causal) inputs.
         """
-        mid = self.head.midlayer
         n = emb.shape[0]
-        q, k, v = mid.qkv(emb[None], feature[None], positions[None])
+        residual, q, k, v = self.head.project(emb[None], feature[None], positions[None])
         start = self.kv.length
         keys, values = self.kv.update(k, v)
         mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=emb.device)
@@ -71,7 +74,7 @@ class EagleDrafter:
             mask[:, start:] = torch.tril(torch.ones(n, n, dtype=torch.bool, device=emb.device))
         else:
             mask[:, self.committed :] = visible_tree
-        return mid.finish(feature[None], q, keys, values, mask[None, None])[0]
+        return self.head.complete(residual, q, keys, values, mask[None, None])[0]
 
     @torch.inference_mode()
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
@@ -99,7 +102,8 @@ class EagleDrafter:
             top_lp, top_i = logp.topk(self.top_k, dim=-1)
             new_nodes = []
             for row, f in enumerate(frontier):
-                for lp, i in zip(top_lp[row].tolist(), draft_ids[top_i[row]].tolist()):
+                ids = top_i[row] if draft_ids is None else draft_ids[top_i[row]]
+                for lp, i in zip(top_lp[row].tolist(), ids.tolist()):
                     parents.append(f)
                     node_tokens.append(i)
                     scores.append(scores[f] + lp)

@@ -16,6 +16,7 @@ from selfdraft.heads.artifact import (
     save_head,
     target_info,
 )
+from selfdraft.heads.eagle1 import Eagle1Config, Eagle1Head
 from selfdraft.heads.eagle3 import Eagle3Config, Eagle3Head
 from selfdraft.heads.medusa import MedusaConfig, MedusaHeads
 
@@ -36,7 +37,7 @@ def _medusa_drafter(head: MedusaHeads, **options):
     return MedusaDrafter(head, **options)
 
 
-def _eagle_drafter(head: Eagle3Head, **options):
+def _eagle_drafter(head: Eagle1Head | Eagle3Head, **options):
     from selfdraft.drafters.eagle import EagleDrafter
 
     return EagleDrafter(head, **options)
@@ -48,6 +49,11 @@ def _eagle3_config(**data) -> Eagle3Config:
 
 HEADS: dict[str, HeadType] = {
     "medusa": HeadType(MedusaConfig, lambda cfg, target: MedusaHeads(cfg, target.get_output_embeddings()), _medusa_drafter),
+    "eagle1": HeadType(
+        Eagle1Config,
+        lambda cfg, target: Eagle1Head(cfg, target.get_input_embeddings(), target.get_output_embeddings()),
+        _eagle_drafter,
+    ),
     "eagle3": HeadType(_eagle3_config, lambda cfg, target: Eagle3Head(cfg, target.get_input_embeddings()), _eagle_drafter),
 }
 
@@ -79,4 +85,4 @@ def save(path: str | Path, kind: str, cfg: object, head: nn.Module, target: nn.M
     return save_head(path, kind, cfg, head, target_info(target, target_name))
 
 
-__all__ = ["HEADS", "Eagle3Config", "Eagle3Head", "HeadMismatchError", "MedusaConfig", "MedusaHeads", "head_type", "load_head", "save"]
+__all__ = ["HEADS", "Eagle1Config", "Eagle1Head", "Eagle3Config", "Eagle3Head", "HeadMismatchError", "MedusaConfig", "MedusaHeads", "head_type", "load_head", "save"]

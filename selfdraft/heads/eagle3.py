@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from selfdraft.heads.layers import MLP, Attention, RMSNorm, target_dims
+
 
 @dataclass(frozen=True)
 class Eagle3Config:
@@ -42,94 +44,13 @@ class Eagle3Config:
 
     @staticmethod
     def for_target(model: nn.Module, draft_vocab_size: int) -> Eagle3Config:
-        c = model.config
-        n = c.num_hidden_layers
-        rope = getattr(c, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        n = model.config.num_hidden_layers
         return Eagle3Config(
-            hidden_size=c.hidden_size,
-            target_hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=head_dim,
-            vocab_size=c.vocab_size,
-            draft_vocab_size=min(draft_vocab_size, c.vocab_size),
-            rope_theta=float(theta),
-            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(getattr(c, "max_position_embeddings", 8192)),
+            **target_dims(model),
+            target_hidden_size=model.config.hidden_size,
+            draft_vocab_size=min(draft_vocab_size, model.config.vocab_size),
             feature_layers=(min(2, n - 1), n // 2, max(n - 3, 0)),
         )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """(…, seq) positions -> cos, sin of shape (…, seq, head_dim) (rotate-half layout)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    freqs = positions.float()[..., None] * inv
-    emb = torch.cat([freqs, freqs], -1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.cfg = cfg
-        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
-        self.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
-        self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
-        self.o_proj = nn.Linear(nh * hd, h, bias=False)
-
-    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x: (b, s, 2h) -> q (b, nh, s, hd), k and v (b, nkv, s, hd), rotary applied at ``positions`` (b, s)."""
-        b, s, _ = x.shape
-        c = self.cfg
-        q = self.q_proj(x).view(b, s, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope(positions, c.head_dim, c.rope_theta)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """q (b, nh, s, hd) over k, v (b, nkv, S, hd) with a (b or 1, 1, s, S) bool mask -> (b, s, h)."""
-        groups = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        b, _, s, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MidLayer(nn.Module):
@@ -139,9 +60,10 @@ class MidLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(2 * cfg.hidden_size, cfg.hidden_size, cfg.num_attention_heads,
+                                   cfg.num_key_value_heads, cfg.head_dim, cfg.rope_theta)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def qkv(self, emb: Tensor, feature: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], -1)
@@ -180,9 +102,21 @@ class Eagle3Head(nn.Module):
         """(draft_vocab,) target id of each draft id."""
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.cfg.feature_layers)
+
     def fuse(self, features: Tensor) -> Tensor:
-        """(…, 3 * target_hidden) -> (…, hidden)."""
+        """(…, 3 * target_hidden) concatenated target features -> (…, hidden) draft feature."""
         return self.fc(features)
+
+    def project(self, emb: Tensor, feature: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Drafting step, first half: (b, s, H) embeddings and features -> (residual, q, k, v)."""
+        return (feature, *self.midlayer.qkv(emb, feature, positions))
+
+    def complete(self, residual: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """Drafting step, second half: attend over the (cached) keys -> (b, s, H) output feature."""
+        return self.midlayer.finish(residual, q, k, v, mask)
 
     def logits(self, h: Tensor) -> Tensor:
         """Draft-vocabulary logits from the layer output."""
