@@ -22,9 +22,14 @@ def _draft_model(target: nn.Module, model: str | nn.Module, dtype: str | None = 
 
 def _head(target: nn.Module, path: str, **options) -> Drafter:
     from selfdraft.heads import head_type, load_head
+    from selfdraft.tune import read_tuned
 
     kind, head, _ = load_head(path, target)
-    return head_type(kind).drafter(head, **options)
+    tuned = read_tuned(path)
+    if tuned:
+        shown = {k: v for k, v in tuned.items() if k != "paths"} or f"{len(tuned['paths'])} paths"
+        print(f"[head] tree tuned for this machine (tune.json): {shown}; options given here override it")
+    return head_type(kind).drafter(head, **{**tuned, **options})
 
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {

@@ -19,7 +19,7 @@ from torch import Tensor
 from selfdraft.cache import PreallocatedLayer
 from selfdraft.drafters.base import Draft, StepResult
 from selfdraft.sampling import SamplingConfig
-from selfdraft.tree import top_nodes_by_score, tree_from_parents
+from selfdraft.tree import Tree, top_nodes_by_score, tree_from_parents
 
 
 class EagleDrafter:
@@ -76,8 +76,15 @@ class EagleDrafter:
             mask[:, self.committed :] = visible_tree
         return self.head.complete(residual, q, keys, values, mask[None, None])[0]
 
-    @torch.inference_mode()
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        tree, node_tokens, scores = self.expand(tokens)
+        # 3. rerank
+        tree, keep = top_nodes_by_score(tree, scores, self.total_tokens)
+        return Draft(tree, node_tokens[keep])
+
+    @torch.inference_mode()
+    def expand(self, tokens: Tensor) -> tuple[Tree, Tensor, Tensor]:
+        """Steps 1-2: every generated node as (tree, (n,) tokens, (n,) cumulative log-probabilities)."""
         head, dev = self.head, self.param.device
         self.kv.length = self.committed  # 4. (of the previous step) drop last step's tree entries
         # 1. feed committed pairs
@@ -124,7 +131,4 @@ class EagleDrafter:
             for b, o in zip(best, outs):
                 node_hidden[b] = o
             frontier = best
-        # 3. rerank
-        tree = tree_from_parents(parents)
-        tree, keep = top_nodes_by_score(tree, torch.tensor(scores), self.total_tokens)
-        return Draft(tree, torch.tensor(node_tokens)[keep])
+        return tree_from_parents(parents), torch.tensor(node_tokens), torch.tensor(scores)

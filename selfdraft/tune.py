@@ -1,0 +1,334 @@
+"""Tune a head's draft tree to this machine: the budget with the highest expected tokens/s.
+
+Expected tokens/s of a tree budget b is ``tau(b) / (verify(b) + draft(b) + other)``:
+
+- ``verify(n)``: measured latency of one target forward over a tree of n tokens after a cached
+  context (on a GPU nearly flat up to ~64 tokens; on a small CPU it grows quickly);
+- ``draft(b)``: measured latency of one drafter step (feed the accepted pair, expand the tree);
+- ``other``: the decode loop's own time per step (acceptance, cache compaction), from a real run;
+- ``tau(b)``: accept length of the budget on real prompts. EAGLE heads (dynamic trees): one greedy
+  run per branching factor with the largest tree records each verified node's depth and score; the
+  accepted path of any smaller budget (top-N by score among nodes of depth <= D) is read off the
+  same steps, since greedy decoding commits the same tokens whatever the tree. Medusa heads (static
+  trees): per-head top-r accuracies on the target's own greedy continuations give each candidate
+  path the probability of being accepted (Medusa's tree construction); tau of the best N paths is
+  1 + their summed probabilities.
+
+The chosen budget is written to ``tune.json`` in the head folder, which ``head:path=DIR`` drafters
+read as their defaults (explicit options still win).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from selfdraft.adapter import new_cache, tree_forward
+from selfdraft.config import opt
+from selfdraft.drafters.base import Drafter, StepResult
+from selfdraft.generate import GenerationConfig, generate
+from selfdraft.tree import chain_tree
+
+TUNE_FILE = "tune.json"
+BUDGETS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    head: str = opt("", "head folder to tune; the chosen tree is saved there as tune.json")
+    target: str = opt("smollm2", "target: alias, local folder, .gguf file or hub id")
+    dtype: str = opt("bfloat16", "target dtype to tune for (the one you will generate in)")
+    prompts: str = opt("mtbench", "'mtbench' or a JSONL file of prompts for the acceptance profile")
+    limit: int = opt(6, "prompts in the acceptance profile")
+    max_new_tokens: int = opt(96, "new tokens per profiled prompt")
+    max_nodes: int = opt(64, "largest tree considered (draft nodes, root excluded)")
+    max_depth: int = opt(8, "deepest tree considered")
+    top_ks: str = opt("1 2 4 8", "EAGLE: branching factors considered (space-separated)")
+    context: int = opt(256, "cached context length behind the timed verification forwards")
+    reps: int = opt(7, "timing repetitions per size (median)")
+    threads: int = opt(0, "torch threads (0 = number of cores)")
+    save: bool = opt(True, "write tune.json into the head folder")
+    out: str = opt("", "also write the full measurements as JSON to this file")
+
+
+def read_tuned(head_dir: str | Path) -> dict:
+    """The drafter options saved by ``selfdraft tune`` for this head ({} if it was never tuned)."""
+    path = Path(head_dir) / TUNE_FILE
+    if not path.is_file():
+        return {}
+    return dict(json.loads(path.read_text()).get("drafter_options", {}))
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def verify_latency(model: nn.Module, sizes: list[int], context: int, reps: int) -> dict[int, float]:
+    """Median seconds of one tree forward over n tokens (n in ``sizes``) after ``context`` cached tokens."""
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    cache = new_cache(model, context + max(sizes) + 8)
+    prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
+    tree_forward(model, cache, prompt, chain_tree(context - 1), last_logits_only=True)
+    out = {}
+    for n in sizes:
+        tokens = torch.randint(0, vocab, (1, n), generator=g).to(device)
+        tree = chain_tree(n - 1)
+
+        def step(tokens: Tensor = tokens, tree=tree) -> None:
+            tree_forward(model, cache, tokens, tree)
+            cache.truncate(context)
+
+        step()  # warm-up for this shape
+        out[n] = median_time(step, reps)
+    return out
+
+
+@torch.inference_mode()
+def draft_latency(model: nn.Module, drafter: Drafter, prompt: list[int], reps: int) -> float:
+    """Median seconds of one steady-state drafter step: take one accepted pair, propose a tree."""
+    device = next(model.parameters()).device
+    layers = tuple(drafter.hidden_layers)
+    cache = new_cache(model, len(prompt) + 8)
+    ids = torch.tensor(prompt, device=device)
+    fwd = tree_forward(model, cache, ids[None], chain_tree(len(prompt) - 1), layers, True)
+    tokens = torch.tensor(prompt + [int(fwd.logits[0, -1].argmax())])
+    drafter.reset(StepResult(tokens, 0, fwd.hidden_states))
+    greedy = GenerationConfig().sampling
+    drafter.propose(tokens, greedy, None)
+    last = {i: h[:, -1:] for i, h in fwd.hidden_states.items()} if fwd.hidden_states else None
+    times = []
+    for _ in range(reps + 1):
+        tokens = torch.cat([tokens, tokens[-1:]])
+        drafter.update(StepResult(tokens, 0, last))
+        t0 = time.perf_counter()
+        drafter.propose(tokens, greedy, None)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+class ProfileRecorder:
+    """Wraps an EAGLE drafter: proposes its largest tree and records, per step, every verified node's
+    depth and score and which nodes the target accepted (greedy)."""
+
+    def __init__(self, drafter, max_nodes: int):
+        from selfdraft.tree import top_nodes_by_score
+
+        self.drafter, self.max_nodes, self._top = drafter, max_nodes, top_nodes_by_score
+        self.hidden_layers = drafter.hidden_layers
+        self.steps: list[tuple[Tensor, Tensor, list[int]]] = []
+        self._last = None
+
+    def reset(self, step: StepResult) -> None:
+        self.drafter.reset(step)
+
+    def propose(self, tokens: Tensor, sampling, generator):
+        from selfdraft.drafters.base import Draft
+
+        tree, node_tokens, scores = self.drafter.expand(tokens)
+        tree, keep = self._top(tree, scores, self.max_nodes)
+        self._last = (tree, node_tokens[keep], scores[keep])
+        return Draft(tree, node_tokens[keep])
+
+    def update(self, step: StepResult) -> None:
+        tree, node_tokens, scores = self._last
+        n = step.num_accepted
+        accepted = step.tokens[len(step.tokens) - 1 - n : len(step.tokens) - 1].tolist()
+        path, node, kids = [], 0, tree.children()
+        for tok in accepted:
+            node = next(c for c in kids[node] if int(node_tokens[c]) == tok)
+            path.append(node)
+        self.steps.append((tree.depth.clone(), scores.clone(), path))
+        self.drafter.update(step)
+
+
+def tau_from_profile(steps: list[tuple[Tensor, Tensor, list[int]]], budget: int, depth: int) -> float:
+    """Mean accept length (1 + accepted) of the top-``budget`` nodes by score among depth <= ``depth``."""
+    total = 0
+    for depths, scores, path in steps:
+        s = scores.clone().float()
+        s[0] = float("inf")
+        s[depths > depth] = float("-inf")
+        order = torch.sort(-s, stable=True).indices[: budget + 1]
+        kept = set(order.tolist())
+        accepted = 0
+        for node in path:
+            if node not in kept or int(depths[node]) > depth:
+                break
+            accepted += 1
+        total += 1 + accepted
+    return total / max(1, len(steps))
+
+
+def medusa_rank_accuracy(model: nn.Module, heads: nn.Module, sequences: list[tuple[list[int], int]], width: int) -> Tensor:
+    """(K, width) fraction of positions where head k's rank-r token is the one the target emitted.
+
+    sequences: (token ids, index where generated tokens start): the target's own greedy continuations.
+    """
+    k = heads.cfg.num_heads
+    hits = torch.zeros(k, width)
+    counts = torch.zeros(k)
+    with torch.inference_mode():
+        for ids, start in sequences:
+            x = torch.tensor([ids], device=next(model.parameters()).device)
+            hidden = model(input_ids=x, output_hidden_states=[-1]).hidden_states[-1][0]
+            logits = heads(hidden)  # (K, seq, V)
+            for j in range(k):
+                shift = j + 2
+                lo, hi = max(start - 1, 0), len(ids) - shift
+                if hi <= lo:
+                    continue
+                top = logits[j, lo:hi].topk(width, -1).indices.cpu()
+                want = torch.tensor(ids[lo + shift : hi + shift])[:, None]
+                hits[j] += (top == want).float().sum(0)
+                counts[j] += hi - lo
+    return hits / counts.clamp(min=1)[:, None]
+
+
+def medusa_best_paths(acc: Tensor, max_nodes: int) -> list[tuple[tuple[int, ...], float]]:
+    """Best-first tree construction (Medusa): paths in order of acceptance probability prod acc[d, r_d].
+
+    Children never beat their parent, so every prefix of the returned list is a valid (prefix-closed) tree.
+    """
+    k, width = acc.shape
+    heap = [(-float(acc[0, r]), (r,)) for r in range(width)]
+    heapq.heapify(heap)
+    out = []
+    while heap and len(out) < max_nodes:
+        neg, path = heapq.heappop(heap)
+        out.append((path, -neg))
+        if len(path) < k:
+            for r in range(width):
+                heapq.heappush(heap, (neg * float(acc[len(path), r]), path + (r,)))
+    return out
+
+
+def choose(candidates: list[dict]) -> dict:
+    return max(candidates, key=lambda c: (c["expected_tokens_per_s"], -c["nodes"]))
+
+
+def main(cfg: TuneConfig) -> dict:
+    from selfdraft.benchmark import load_prompts
+    from selfdraft.heads import load_head
+    from selfdraft.target import load_target
+
+    if not cfg.head:
+        raise ValueError("give the head folder to tune: selfdraft tune --head DIR")
+    if cfg.max_nodes < 1 or cfg.max_depth < 1:
+        raise ValueError(f"max_nodes and max_depth must be >= 1, got {cfg.max_nodes}, {cfg.max_depth}")
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    target = load_target(cfg.target, dtype=cfg.dtype)
+    model = target.model
+    kind, head, _ = load_head(cfg.head, model)
+    prompts = [target.encode_chat(p) for p in load_prompts(cfg.prompts, cfg.limit)]
+    gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
+    budgets = [b for b in BUDGETS if b <= cfg.max_nodes]
+
+    # 1. verification cost against tree size
+    print(f"[tune] timing target forwards over 1..{budgets[-1] + 1} tree tokens after {cfg.context} cached tokens")
+    verify = verify_latency(model, [b + 1 for b in budgets] + [1], cfg.context, cfg.reps)
+    # 2. the loop's own time per step, from a plain greedy run
+    plain = [generate(model, p, None, gen_cfg, target.eos_token_ids) for p in prompts[:2]]
+    other = sum(o.stats.other_s for o in plain) / max(1, sum(o.stats.steps for o in plain))
+
+    candidates = []
+    if kind in ("eagle1", "eagle3"):
+        from selfdraft.drafters.eagle import EagleDrafter
+
+        for top_k in [int(x) for x in cfg.top_ks.split()]:
+            # 3. acceptance profile with the largest tree of this branching factor
+            recorder = ProfileRecorder(EagleDrafter(head, cfg.max_depth, top_k, cfg.max_nodes), cfg.max_nodes)
+            for p in prompts:
+                generate(model, p, recorder, gen_cfg, target.eos_token_ids)
+            for depth in range(1, cfg.max_depth + 1):
+                # 4. drafting cost of this (depth, top_k)
+                draft_s = draft_latency(model, EagleDrafter(head, depth, top_k, cfg.max_nodes), prompts[0], cfg.reps)
+                for b in budgets:
+                    if b < depth or b > top_k + (depth - 1) * top_k * top_k:
+                        continue  # fewer nodes than the depth, or more than this expansion generates
+                    tau = tau_from_profile(recorder.steps, b, depth)
+                    step_s = verify[b + 1] + draft_s + other
+                    candidates.append({
+                        "drafter_options": {"depth": depth, "top_k": top_k, "total_tokens": b},
+                        "nodes": b, "tau": tau, "verify_s": verify[b + 1], "draft_s": draft_s,
+                        "expected_tokens_per_s": tau / step_s,
+                    })
+            print(f"[tune] top_k {top_k}: {len(recorder.steps)} profiled steps")
+    elif kind == "medusa":
+        from selfdraft.drafters.medusa import MedusaDrafter
+
+        sequences = [(p + o.tokens, len(p)) for p, o in zip(prompts, [generate(model, p, None, gen_cfg, target.eos_token_ids) for p in prompts])]
+        acc = medusa_rank_accuracy(model, head, sequences, width=8)
+        ranked = medusa_best_paths(acc, cfg.max_nodes)
+        for b in budgets:
+            if b > len(ranked):
+                continue
+            paths = [list(p) for p, _ in ranked[:b]]
+            tau = 1 + sum(v for _, v in ranked[:b])
+            draft_s = draft_latency(model, MedusaDrafter(head, paths), prompts[0], cfg.reps)
+            step_s = verify[b + 1] + draft_s + other
+            candidates.append({
+                "drafter_options": {"paths": paths}, "nodes": b, "tau": tau, "verify_s": verify[b + 1],
+                "draft_s": draft_s, "expected_tokens_per_s": tau / step_s,
+            })
+    else:
+        raise ValueError(f"selfdraft tune knows EAGLE and Medusa heads, not '{kind}'")
+    if not candidates:
+        raise ValueError("no tree budget fits max_nodes/max_depth; raise them")
+    best = choose(candidates)
+    plain_tps = 1.0 / (verify[1] + other)
+    result = {
+        "head_type": kind,
+        "drafter_options": best["drafter_options"],
+        "expected_tokens_per_s": best["expected_tokens_per_s"],
+        "expected_tau": best["tau"],
+        "expected_plain_tokens_per_s": plain_tps,
+        "tuned_for": {"target": cfg.target, "dtype": cfg.dtype, "threads": torch.get_num_threads(),
+                      "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                      "date": time.strftime("%Y-%m-%d")},
+        "verify_latency_s": {str(k): v for k, v in sorted(verify.items())},
+        "other_s_per_step": other,
+        "config": asdict(cfg),
+    }
+    print(format_table(candidates, plain_tps))
+    chosen = f"{best['nodes']} Medusa paths" if kind == "medusa" else str(best["drafter_options"])
+    print(f"[tune] chosen: {chosen} -> expected tau {best['tau']:.2f}, {best['expected_tokens_per_s']:.1f} tok/s "
+          f"(plain decoding {plain_tps:.1f} tok/s)")
+    if cfg.save:
+        path = Path(cfg.head) / TUNE_FILE
+        tmp = path.with_name(f".{TUNE_FILE}.tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, path)
+        print(f"[tune] saved to {path}; head:path={cfg.head} now drafts with it by default")
+    if cfg.out:
+        Path(cfg.out).write_text(json.dumps({**result, "candidates": candidates}, indent=2))
+    return result
+
+
+def format_table(candidates: list[dict], plain_tps: float, rows: int = 12) -> str:
+    """The best candidates by expected tokens/s, plus the verification cost per size."""
+    top = sorted(candidates, key=lambda c: -c["expected_tokens_per_s"])[:rows]
+    lines = [f"{'nodes':>5} {'depth':>5} {'top_k':>5} {'tau':>5} {'verify ms':>9} {'draft ms':>8} {'exp tok/s':>9}"]
+    for c in top:
+        o = c["drafter_options"]
+        lines.append(f"{c['nodes']:>5} {o.get('depth', len(max(o.get('paths', [[]]), key=len))):>5} "
+                     f"{o.get('top_k', '-'):>5} {c['tau']:>5.2f} {1000 * c['verify_s']:>9.1f} "
+                     f"{1000 * c['draft_s']:>8.1f} {c['expected_tokens_per_s']:>9.1f}")
+    lines.append(f"(plain decoding, expected: {plain_tps:.1f} tok/s)")
+    return "\n".join(lines)

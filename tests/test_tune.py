@@ -1,0 +1,95 @@
+"""selfdraft tune: the acceptance profile predicts smaller trees exactly, Medusa tree order, end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import random_prompt, tiny_model
+
+from selfdraft.drafters import build_drafter
+from selfdraft.drafters.eagle import EagleDrafter
+from selfdraft.generate import GenerationConfig, generate
+from selfdraft.heads import Eagle1Config, Eagle1Head, save
+from selfdraft.tune import ProfileRecorder, TuneConfig, main, medusa_best_paths, read_tuned, tau_from_profile
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    """A tiny llama and an EAGLE-1 head fit to the target's own greedy continuations (accepted often)."""
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    head = Eagle1Head(Eagle1Config.for_target(model), model.get_input_embeddings(), model.get_output_embeddings())
+    seqs = []
+    for i in range(6):
+        p = random_prompt(5 + i, 100 + i)
+        seqs.append(p + generate(model, p, None, GenerationConfig(max_new_tokens=24)).tokens)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    for _ in range(120):
+        for s in seqs:
+            ids = torch.tensor([s])
+            with torch.no_grad():
+                out = model(input_ids=ids, output_hidden_states=[-1])
+            attn = torch.ones_like(ids)
+            loss, _, _ = head(out.hidden_states[-1], ids, out.logits, attn, attn, 1.0, 1.0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model, head.eval().requires_grad_(False), seqs
+
+
+def test_profile_predicts_first_step_accept_length_exactly(fitted):
+    """Guards the tuner's core: accept lengths of smaller (budget, depth) trees read off one big-tree step."""
+    model, head, seqs = fitted
+    checked = 0
+    for i in range(8):
+        # prefixes of the sequences the head was fit on (accepted often) and one unseen prompt
+        prompt = seqs[i % 6][: 5 + i % 6 + 2 * (i // 6)] if i < 7 else random_prompt(9, 7)
+        recorder = ProfileRecorder(EagleDrafter(head, depth=4, top_k=3, total_tokens=1000), max_nodes=1000)
+        generate(model, prompt, recorder, GenerationConfig(max_new_tokens=12))
+        first = recorder.steps[:1]  # the first step's context is the same for every tree
+        for depth, budget in [(1, 1), (2, 2), (2, 5), (3, 4), (4, 8), (4, 20)]:
+            real = generate(model, prompt, EagleDrafter(head, depth, 3, budget), GenerationConfig(max_new_tokens=12))
+            predicted = tau_from_profile(first, budget, depth)
+            assert predicted == real.stats.accept_lengths[0], (i, depth, budget, predicted, real.stats.accept_lengths[:3])
+            checked += real.stats.accept_lengths[0] > 1
+    assert checked > 5, "the fitted head should get some first steps accepted, or the test proves nothing"
+
+
+def test_medusa_paths_in_acceptance_order():
+    """Guards Medusa tree construction: best-first by product of per-depth accuracies, prefix-closed."""
+    acc = torch.tensor([[0.6, 0.2], [0.5, 0.1]])
+    ranked = medusa_best_paths(acc, 5)
+    paths = [p for p, _ in ranked]
+    assert paths == [(0,), (0, 0), (1,), (1, 0), (0, 1)], paths
+    assert [round(v, 4) for _, v in ranked] == [0.6, 0.3, 0.2, 0.1, 0.06]
+    for i, p in enumerate(paths):
+        assert len(p) == 1 or p[:-1] in paths[:i], f"{p} listed before its parent"
+
+
+def test_tune_end_to_end_saves_and_is_used(fitted, tiny_target_dir, tmp_path, capsys):
+    """Guards the command's contract: measure, choose, save tune.json, and head drafters pick it up."""
+    model, head, _ = fitted
+    from selfdraft.target import load_target
+
+    target = load_target(str(tiny_target_dir), dtype="float32")
+    # the fitted head belongs to tiny_model("llama"), which is the same seed-0 model tiny_target_dir holds
+    head_dir = save(tmp_path / "head", "eagle1", head.cfg, head, target.model, str(tiny_target_dir))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["abc abc abc", "hello there"]))
+    cfg = TuneConfig(head=str(head_dir), target=str(tiny_target_dir), dtype="float32", prompts=str(prompts),
+                     limit=2, max_new_tokens=16, max_nodes=8, max_depth=3, top_ks="1 2", context=16, reps=2,
+                     out=str(tmp_path / "tune_full.json"))
+    result = main(cfg)
+    opts = read_tuned(head_dir)
+    assert opts == result["drafter_options"] and set(opts) == {"depth", "top_k", "total_tokens"}
+    full = json.loads((tmp_path / "tune_full.json").read_text())
+    best = max(c["expected_tokens_per_s"] for c in full["candidates"])
+    assert result["expected_tokens_per_s"] == best, "the saved budget must be the best candidate"
+    assert all(c["drafter_options"]["total_tokens"] <= 8 and c["drafter_options"]["depth"] <= 3 for c in full["candidates"])
+    drafter = build_drafter("head", target.model, path=str(head_dir))
+    assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (opts["depth"], opts["top_k"], opts["total_tokens"])
+    override = build_drafter("head", target.model, path=str(head_dir), total_tokens=1)
+    assert override.total_tokens == 1, "explicit options must win over tune.json"
+    assert "tuned for this machine" in capsys.readouterr().out
