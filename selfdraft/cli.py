@@ -1,27 +1,37 @@
 """The ``selfdraft`` command: a thin shell over the library and the programs in scripts/.
 
-User mistakes (missing files, bad options, an unknown target) print one ``selfdraft: error:`` line
-and exit with status 2; no traceback.
+Each subcommand is one entry of :func:`commands`: a frozen config dataclass (its fields become the
+``--flags``; ``--config FILE.yaml`` supplies defaults), a handler ``run(cfg, out)`` and the output
+flags it accepts (``--quiet``, ``--json``, ``--show-draft``, ``--html``). User mistakes (missing
+files, bad options, an unknown target, a prompt that does not fit the context) print one
+``selfdraft: error:`` line and exit with status 2; no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from selfdraft.config import ConfigError, add_arguments, from_args, opt
 
 
 @dataclass(frozen=True)
-class GenerateConfig:
+class DecodeConfig:
+    """Target, drafter and sampling: what generate and chat share."""
+
     target: str = opt("smollm2", "target: alias (smollm2, gemma3-270m), local folder, .gguf file or hub id")
     dtype: str = opt("bfloat16", "target dtype: float32 (exact) or bfloat16 (faster on this CPU)")
-    drafter: str = opt("prompt_lookup", "drafter NAME[:key=value,...] (prompt_lookup, layer_skip, draft_model) or 'none'")
-    prompt: str = opt("Write a haiku about speculative decoding.", "user prompt (rendered with the chat template)")
-    max_new_tokens: int = opt(128, "maximum new tokens")
+    drafter: str = opt(
+        "prompt_lookup", "drafter NAME[:key=value,...] (prompt_lookup, layer_skip, draft_model, head:path=DIR) or 'none'"
+    )
+    max_new_tokens: int = opt(128, "maximum new tokens per reply (>= 1)")
     temperature: float = opt(0.0, "0 = greedy; > 0 samples (lossless)")
     top_k: int = opt(0, "top-k (0 = off)")
     top_p: float = opt(1.0, "top-p (1.0 = off)")
@@ -30,86 +40,253 @@ class GenerateConfig:
     threads: int = opt(0, "torch threads (0 = number of cores)")
 
 
-def _generate(cfg: GenerateConfig) -> None:
+@dataclass(frozen=True)
+class GenerateConfig(DecodeConfig):
+    prompt: str = opt("Write a haiku about speculative decoding.", "user prompt (rendered with the chat template)")
+
+
+@dataclass(frozen=True)
+class ChatConfig(DecodeConfig):
+    system: str = opt("", "system message before the conversation ('' = none)")
+
+
+@dataclass(frozen=True)
+class Output:
+    """How results are shown; not part of a run's config (not in YAML files)."""
+
+    quiet: bool = False
+    json: bool = False
+    show_draft: bool = False
+    html: str | None = None
+
+
+OUTPUT_FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
+    "quiet": (("--quiet", "-q"), dict(action="store_true", help="no progress bars or loading notes on stderr")),
+    "json": (("--json",), dict(action="store_true", help="print one JSON object with the results to stdout "
+                                                          "instead of text and tables")),
+    "show_draft": (("--show-draft",), dict(action="store_true", help="colour each token by where it came from: "
+                                                                     "accepted draft (green), target correction "
+                                                                     "(red), bonus token (cyan)")),
+    "html": (("--html",), dict(metavar="FILE", help="write a standalone HTML page with the tokens coloured by "
+                                                    "source and the tau / tokens/s summary")),
+}
+
+
+@dataclass(frozen=True)
+class Command:
+    config: type
+    """Frozen dataclass whose fields are the subcommand's options."""
+    run: Callable[[Any, Output], None]
+    help: str
+    flags: tuple[str, ...] = ("quiet",)
+    """Names in OUTPUT_FLAGS the subcommand accepts."""
+
+
+# --- generate / chat -----------------------------------------------------------------------------
+
+
+def _load(cfg: DecodeConfig, out: Output):
+    """Check the options, then load the target and build the drafter (with a progress bar)."""
     import torch
 
     from selfdraft.benchmark import parse_decoder
     from selfdraft.drafters import build_drafter
-    from selfdraft.generate import GenerationConfig, generate
+    from selfdraft.generate import GenerationConfig
+    from selfdraft.progress import bar, quiet_libraries
     from selfdraft.sampling import SamplingConfig
     from selfdraft.target import load_target
 
     if cfg.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
-    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     gen_cfg = GenerationConfig(
         max_new_tokens=cfg.max_new_tokens,
         sampling=SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p),
         acceptance=cfg.acceptance,
         seed=cfg.seed,
     )
+    spec = None if cfg.drafter == "none" else parse_decoder(cfg.drafter)
+    if out.quiet:
+        quiet_libraries()
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     t0 = time.perf_counter()
-    target = load_target(cfg.target, dtype=cfg.dtype)
-    drafter = None
-    if cfg.drafter != "none":
-        name, options = parse_decoder(cfg.drafter)
-        drafter = build_drafter(name, target.model, **options)
-    print(f"[loaded {cfg.target} in {time.perf_counter() - t0:.1f}s; drafter {cfg.drafter}]", file=sys.stderr)
-    ids = target.encode_chat(cfg.prompt)
-    printed: list[int] = []
-    shown = ""
+    with bar(2, f"loading {cfg.target}", not out.quiet) as pbar:
+        target = load_target(cfg.target, dtype=cfg.dtype)
+        pbar.update(1)
+        pbar.set_description(f"building drafter {cfg.drafter}")
+        drafter = build_drafter(spec[0], target.model, **spec[1]) if spec else None
+        pbar.update(1)
+    if not out.quiet:
+        print(f"[loaded {cfg.target} in {time.perf_counter() - t0:.1f}s; drafter {cfg.drafter}]", file=sys.stderr)
+    return target, drafter, gen_cfg
+
+
+def _reply(target, ids: list[int], drafter, gen_cfg, show_draft: bool, live: bool):
+    """Generate one reply, streaming it to stdout when ``live``; returns (output, per-token texts)."""
+    from selfdraft.generate import generate
+    from selfdraft.show import TokenTexts, ansi_text
+
+    texts = TokenTexts(target.tokenizer)
+    pieces: list[str] = []
 
     def stream(tokens: list[int], sources: list[str]) -> None:
-        nonlocal shown
-        printed.extend(tokens)
-        text = target.tokenizer.decode(printed, skip_special_tokens=True)
-        sys.stdout.write(text[len(shown):])
-        sys.stdout.flush()
-        shown = text
+        new = texts.push(tokens)
+        pieces.extend(new)
+        if live:
+            sys.stdout.write(ansi_text(new, sources) if show_draft else "".join(new))
+            sys.stdout.flush()
 
-    out = generate(target.model, ids, drafter, gen_cfg, target.eos_token_ids, target.tokenizer, stream)
-    s = out.stats
-    print()
-    print(
+    result = generate(target.model, ids, drafter, gen_cfg, target.eos_token_ids, target.tokenizer, stream)
+    if live:
+        print()
+    return result, pieces
+
+
+def _stats_line(result) -> str:
+    s = result.stats
+    return (
         f"[{s.new_tokens} tokens in {s.wall_s:.2f}s = {s.tokens_per_s:.1f} tok/s; tau {s.tau:.2f} over "
         f"{s.steps} target forwards; time draft {s.draft_s:.2f}s verify {s.verify_s + s.prefill_s:.2f}s "
-        f"other {s.other_s:.2f}s; stop: {out.stop_reason}]",
-        file=sys.stderr,
+        f"other {s.other_s:.2f}s; stop: {result.stop_reason}]"
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def run_generate(cfg: GenerateConfig, out: Output) -> None:
+    """One prompt -> one streamed reply; optional colours, HTML page and JSON."""
+    from selfdraft.show import ansi_legend, html_page, summary, write_page
+
+    target, drafter, gen_cfg = _load(cfg, out)
+    ids = target.encode_chat(cfg.prompt)
+    if out.show_draft and not out.json:
+        print(ansi_legend(), file=sys.stderr)
+    result, pieces = _reply(target, ids, drafter, gen_cfg, out.show_draft, live=not out.json)
+    numbers = summary(result.stats)
+    if out.html:
+        info = {"target": cfg.target, "drafter": cfg.drafter, "temperature": cfg.temperature}
+        page = html_page(pieces, result.sources, {**info, **numbers, "stop": result.stop_reason}, prompt=cfg.prompt)
+        write_page(out.html, page)
+    if out.json:
+        print(json.dumps({
+            "target": cfg.target, "drafter": cfg.drafter, "prompt": cfg.prompt, "text": "".join(pieces),
+            "tokens": result.tokens, "sources": result.sources, "stop_reason": result.stop_reason,
+            "summary": numbers, "stats": result.stats.to_dict(), "html": out.html,
+        }))
+        return
+    print(_stats_line(result), file=sys.stderr)
+    if out.html:
+        print(f"[wrote {out.html}]", file=sys.stderr)
+
+
+def run_chat(cfg: ChatConfig, out: Output) -> None:
+    """Multi-turn REPL over stdin: each line is a user turn; /reset clears the history, /quit or EOF ends."""
+    from selfdraft.generate import ContextLengthError
+    from selfdraft.show import ansi_legend
+
+    target, drafter, gen_cfg = _load(cfg, out)
+    interactive = sys.stdin.isatty()
+    system = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    messages = list(system)
+    if interactive:
+        print(f"chatting with {cfg.target}: /reset clears the history, /quit or Ctrl-D ends", file=sys.stderr)
+    if out.show_draft:
+        print(ansi_legend(), file=sys.stderr)
+    turn = 0
+    while True:
+        if interactive:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/quit":
+            break
+        if text == "/reset":
+            messages = list(system)
+            print("[history cleared]", file=sys.stderr)
+            continue
+        if text.startswith("/"):
+            print(f"[unknown command {text}: /reset clears the history, /quit ends]", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": text})
+        ids = target.encode_chat(messages)
+        turn_cfg = dataclasses.replace(gen_cfg, seed=cfg.seed + turn)
+        try:
+            result, pieces = _reply(target, ids, drafter, turn_cfg, out.show_draft, live=True)
+        except ContextLengthError as err:
+            messages.pop()
+            print(f"selfdraft: error: {err} (/reset clears the history)", file=sys.stderr)
+            continue
+        messages.append({"role": "assistant", "content": "".join(pieces)})
+        print(_stats_line(result), file=sys.stderr)
+        turn += 1
+
+
+# --- bench ---------------------------------------------------------------------------------------
+
+
+def run_bench(cfg: Any, out: Output) -> None:
+    """Decoders side by side: table (or JSON on stdout), JSON file, optional plots."""
+    from selfdraft.benchmark import main as bench_main
+    from selfdraft.progress import quiet_libraries
+
+    if out.quiet:
+        quiet_libraries()
+    bench_main(cfg, quiet=out.quiet, as_json=out.json)
+
+
+# --- parser --------------------------------------------------------------------------------------
+
+
+def commands() -> dict[str, Command]:
+    """Subcommand name -> Command. Adding a subcommand is one entry here plus its config and handler."""
     from selfdraft.benchmark import BenchConfig
 
+    return {
+        "generate": Command(GenerateConfig, run_generate, "generate text with a target and a drafter, streaming",
+                            ("quiet", "json", "show_draft", "html")),
+        "chat": Command(ChatConfig, run_chat, "multi-turn chat over stdin (/reset, /quit), streaming",
+                        ("quiet", "show_draft")),
+        "bench": Command(BenchConfig, run_bench, "benchmark decoders side by side: table, JSON and plots",
+                         ("quiet", "json")),
+    }
+
+
+def build_parser(cmds: dict[str, Command] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="selfdraft", description="Self-drafting speculative decoding.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text with a target and a drafter, streaming")
-    gen.add_argument("--config", help="YAML file of generate options (flags override it)")
-    add_arguments(gen, GenerateConfig)
-    bench = sub.add_parser("bench", help="benchmark decoders side by side: table + JSON")
-    bench.add_argument("--config", help="YAML file of bench options (flags override it)")
-    add_arguments(bench, BenchConfig)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, cmd in (cmds or commands()).items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        p.add_argument("--config", help=f"YAML file of {name} options (flags override it)")
+        add_arguments(p, cmd.config)
+        for flag in cmd.flags:
+            names, kwargs = OUTPUT_FLAGS[flag]
+            p.add_argument(*names, dest=f"out_{flag}", **kwargs)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean a user mistake: reported as one line, exit status 2."""
     from selfdraft.generate import ContextLengthError
-    from selfdraft.target import TargetNotFoundError
 
+    return (ConfigError, ContextLengthError, OSError, KeyError, ValueError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cmds = commands()
+    args = build_parser(cmds).parse_args(argv)
+    cmd = cmds[args.command]
+    out = Output(**{f: getattr(args, f"out_{f}") for f in cmd.flags})
     try:
-        if args.command == "generate":
-            _generate(from_args(GenerateConfig, args, args.config))
-        elif args.command == "bench":
-            from selfdraft.benchmark import BenchConfig
-            from selfdraft.benchmark import main as bench_main
-
-            bench_main(from_args(BenchConfig, args, args.config))
-    except (ConfigError, TargetNotFoundError, ContextLengthError, FileNotFoundError, KeyError, ValueError) as err:
+        cmd.run(from_args(cmd.config, args, args.config), out)
+    except user_errors() as err:
         msg = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"selfdraft: error: {msg}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
     return 0
 
 
