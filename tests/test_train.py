@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("train_script", ROOT / "train" / "train.py")
@@ -120,3 +121,81 @@ def test_two_cpu_processes_agree(tiny_target_dir, data_file, tmp_path):
     digests = sorted(line.split()[-1] for line in proc.stdout.splitlines() if "head digest" in line)
     assert "MULTI_CPU x2" in proc.stdout, proc.stdout[-2000:]
     assert len(digests) == 2 and digests[0] == digests[1], proc.stdout[-2000:]
+
+
+dump_spec = importlib.util.spec_from_file_location("dump_script", ROOT / "train" / "dump_features.py")
+dump = importlib.util.module_from_spec(dump_spec)
+sys.modules["dump_script"] = dump
+dump_spec.loader.exec_module(dump)
+
+
+def dump_config(tiny_target_dir, data_file, out, **kw):
+    return dump.train.TrainConfig(**{**config(tiny_target_dir, data_file, out, **kw).__dict__})
+
+
+@pytest.mark.parametrize("head", ["medusa", "eagle1", "eagle3"])
+def test_offline_features_give_the_online_loss(tiny_target_dir, data_file, tmp_path, head):
+    """Guards offline training: stored features (fp32) give the same loss as running the target."""
+    from selfdraft.data import collate
+    from selfdraft.features import FeatureStore
+    from selfdraft.target import load_target
+
+    kw = dict(head=head, draft_vocab_size=64, ttt_steps=3, features_dir=str(tmp_path / "feats"),
+              features_dtype="float32", features_per_shard=16)
+    dump.main(dump_config(tiny_target_dir, data_file, tmp_path, **kw))
+    cfg = config(tiny_target_dir, data_file, tmp_path, **kw)
+    store = FeatureStore(cfg.features_dir)
+    model = load_target(str(tiny_target_dir), dtype="float32").model
+    samples = store.samples()
+    _, head_module = train.make_head(cfg, model, samples[cfg.eval_samples :])
+    head_module.eval()  # no EAGLE-1 input noise: both paths must see the same inputs
+    for ids in ([0, 1, 2, 3], [20, 31, 45, 70]):
+        batch = collate([samples[i] for i in ids], 0)
+        with torch.no_grad():
+            online, m_on = train.head_loss(cfg, head_module, model, batch)
+            offline, m_off = train.head_loss(cfg, head_module, model, batch, train.stored(store, ids, batch))
+        assert abs(float(online) - float(offline)) < 1e-5, (float(online), float(offline))
+        assert m_on.keys() == m_off.keys()
+
+
+def test_offline_training_matches_online_and_dump_resumes(tiny_target_dir, data_file, tmp_path, monkeypatch):
+    """Guards the offline pipeline end to end: a resumed dump is complete, training from it matches online."""
+    import safetensors.torch
+
+    from selfdraft import features
+
+    kw = dict(head="eagle3", draft_vocab_size=64, ttt_steps=2, max_steps=8, features_dtype="float32",
+              features_per_shard=16, features_dir=str(tmp_path / "feats"))
+    real_save, calls = safetensors.torch.save_file, []
+
+    def save_then_die(tensors, path, *a, **k):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("simulated kill while writing shard 3")
+        return real_save(tensors, path, *a, **k)
+
+    monkeypatch.setattr(features, "save_file", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        dump.main(dump_config(tiny_target_dir, data_file, tmp_path / "d", **kw))
+    with pytest.raises(ValueError, match="incomplete"):
+        features.FeatureStore(kw["features_dir"])
+    monkeypatch.setattr(features, "save_file", real_save)
+    dump.main(dump_config(tiny_target_dir, data_file, tmp_path / "d", **kw))
+    assert len(features.FeatureStore(kw["features_dir"])) == 72
+
+    online = train.main(config(tiny_target_dir, data_file, tmp_path / "on", **{**kw, "features_dir": ""}))
+    offline = train.main(config(tiny_target_dir, data_file, tmp_path / "off", **kw))
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(online / "model.safetensors")), load_file(str(offline / "model.safetensors"))
+    diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert diff < 1e-4, f"offline-trained head differs from the online one by {diff:.2e}"
+
+
+def test_dump_refuses_over_budget(tiny_target_dir, data_file, tmp_path):
+    """Guards the disk budget: the size is estimated before writing and an over-budget dump is refused."""
+    cfg = dump_config(tiny_target_dir, data_file, tmp_path, head="eagle3", features_dir=str(tmp_path / "f"),
+                      features_budget_gb=1e-6)
+    with pytest.raises(ValueError, match="features_budget_gb"):
+        dump.main(cfg)
+    assert not list((tmp_path / "f").glob("shard-*")), "nothing may be written past the budget"

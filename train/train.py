@@ -27,9 +27,10 @@ from accelerate.utils import set_seed
 
 from selfdraft.config import load, opt
 from selfdraft.data import collate, load_conversations, prepare_samples, sharegpt_path
+from selfdraft.features import FeatureStore, target_features
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.heads import head_type, load_head, save
-from selfdraft.heads.artifact import replace_dir
+from selfdraft.heads.artifact import fingerprint, replace_dir
 from selfdraft.heads.eagle1 import Eagle1Config
 from selfdraft.heads.eagle3 import Eagle3Config, select_draft_vocab
 from selfdraft.heads.medusa import MedusaConfig, medusa_loss
@@ -72,6 +73,10 @@ class TrainConfig:
     wandb_project: str = opt("selfdraft", "W&B project name")
     seed: int = opt(0, "seed for init and data order")
     resume: bool = opt(False, "continue from the last checkpoint in out_dir")
+    features_dir: str = opt("", "offline target features (train/dump_features.py writes them): train from disk, target layers not in memory")
+    features_dtype: str = opt("bfloat16", "dump_features: dtype of the stored hidden states (float32 for exact parity)")
+    features_budget_gb: float = opt(100.0, "dump_features: refuse to write more than this many GB")
+    features_per_shard: int = opt(64, "dump_features: samples per shard file")
 
 
 def build_samples(cfg: TrainConfig, tokenizer, accelerator: Accelerator):
@@ -120,26 +125,37 @@ def make_head(cfg: TrainConfig, model: torch.nn.Module, samples: list) -> tuple[
     raise KeyError(f"unknown head '{cfg.head}'; train.py supports medusa, eagle1 and eagle3")
 
 
-def head_loss(cfg: TrainConfig, head, target, batch) -> tuple[torch.Tensor, dict]:
+def feature_indices(cfg: TrainConfig, head: torch.nn.Module) -> tuple[int, ...]:
+    """Target hidden-state indices the head trains on (-1 = final normed state, always included)."""
+    module = head.module if hasattr(head, "module") else head
+    return tuple(module.cfg.feature_layers) if cfg.head == "eagle3" else (-1,)
+
+
+def stored(store: FeatureStore, ids: list[int], batch: dict, device: torch.device | str = "cpu") -> dict:
+    """Stored features of dump samples ``ids``, padded like ``batch``."""
+    return {i: t.to(device) for i, t in store.batch_features(ids, batch["input_ids"].shape[1]).items()}
+
+
+def head_loss(cfg: TrainConfig, head, target, batch, feats: dict | None = None) -> tuple[torch.Tensor, dict]:
+    """The head's loss on one batch. ``feats``: stored target features (offline); None runs the target."""
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    if feats is None:
+        feats = target_features(target, ids, attn, feature_indices(cfg, head))
+    last = feats[-1]
     if cfg.head == "medusa":
-        with torch.no_grad():
-            hidden = target(input_ids=ids, attention_mask=attn, output_hidden_states=[-1]).hidden_states[-1]
-        loss, losses, accs = medusa_loss(head(hidden), ids, lmask, cfg.loss_decay)
-    elif cfg.head == "eagle1":
-        with torch.no_grad():
-            out = target(input_ids=ids, attention_mask=attn, output_hidden_states=[-1])
-        noise = cfg.feature_noise if head.training else 0.0
-        loss, losses, accs = head(out.hidden_states[-1].float(), ids, out.logits, lmask, attn,
-                                  cfg.feature_weight, cfg.token_weight, noise)
-        losses = {"feature": losses[0], "token": losses[1]}
+        loss, losses, accs = medusa_loss(head(last), ids, lmask, cfg.loss_decay)
     else:
-        layers = list((head.module if hasattr(head, "module") else head).cfg.feature_layers)
-        with torch.no_grad():
-            out = target(input_ids=ids, attention_mask=attn, output_hidden_states=layers)
-            features = torch.cat([out.hidden_states[i] for i in layers], -1).float()
+        with torch.no_grad():  # the target's logits, from its (shared, frozen) lm_head
+            logits = target.get_output_embeddings()(last.to(target.get_output_embeddings().weight.dtype))
         # through the (possibly DDP-wrapped) module's forward, so gradients are synchronised
-        loss, losses, accs = head(features, ids, out.logits, lmask, attn, cfg.ttt_steps, cfg.loss_decay)
+        if cfg.head == "eagle1":
+            noise = cfg.feature_noise if head.training else 0.0
+            loss, losses, accs = head(last.float(), ids, logits, lmask, attn, cfg.feature_weight, cfg.token_weight, noise)
+            losses = {"feature": losses[0], "token": losses[1]}
+        else:
+            layers = feature_indices(cfg, head)
+            features = torch.cat([feats[i] for i in layers], -1).float()
+            loss, losses, accs = head(features, ids, logits, lmask, attn, cfg.ttt_steps, cfg.loss_decay)
     named = losses.items() if isinstance(losses, dict) else enumerate(losses)
     metrics = {f"loss/{k}" if isinstance(k, str) else f"loss/head{k}": float(v) for k, v in named}
     metrics.update({f"top1/head{k}": float(v) for k, v in enumerate(accs)})
@@ -198,15 +214,19 @@ def save_checkpoint(accelerator: Accelerator, out_dir: Path, step: int, state: d
     accelerator.wait_for_everyone()
 
 
-def evaluate(cfg: TrainConfig, head, target, samples, pad_id: int) -> dict:
+def evaluate(cfg: TrainConfig, head, target, samples, pad_id: int, store: FeatureStore | None = None) -> dict:
+    """Mean loss/accuracy metrics over the held-out samples (which lead an offline dump, index 0..)."""
     head.eval()
     totals: dict[str, float] = {}
-    batches = [samples[i : i + cfg.batch_size] for i in range(0, len(samples), cfg.batch_size)]
+    starts = range(0, len(samples), cfg.batch_size)
     with torch.no_grad():
-        for chunk in batches:
-            _, metrics = head_loss(cfg, head, target, collate(chunk, pad_id))
+        for start in starts:
+            ids = list(range(start, min(start + cfg.batch_size, len(samples))))
+            batch = collate([samples[i] for i in ids], pad_id)
+            feats = stored(store, ids, batch) if store else None
+            _, metrics = head_loss(cfg, head, target, batch, feats)
             for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v / len(batches)
+                totals[k] = totals.get(k, 0.0) + v / len(starts)
     head.train()
     return {f"eval/{k}": v for k, v in totals.items()}
 
@@ -255,7 +275,20 @@ def main(cfg: TrainConfig) -> Path:
     model, tokenizer = target.model, target.tokenizer
     frozen_before = weights_digest(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    train_samples, eval_samples = build_samples(cfg, tokenizer, accelerator)
+    store = None
+    if cfg.features_dir:
+        store = FeatureStore(cfg.features_dir)
+        if store.meta["target"].get("fingerprint") != fingerprint(model):
+            raise ValueError(f"{cfg.features_dir} was dumped from another target; dump it again for {cfg.target}")
+        samples = store.samples()
+        train_samples, eval_samples = samples[cfg.eval_samples :], samples[: cfg.eval_samples]
+        # only the shared embedding, norm and lm_head are needed from here on: free the decoder layers
+        model.get_decoder().layers = torch.nn.ModuleList()
+        frozen_before = weights_digest(model)
+        accelerator.print(f"[data] offline features {cfg.features_dir}: {len(samples)} samples, states {store.indices}; "
+                          "target decoder layers released")
+    else:
+        train_samples, eval_samples = build_samples(cfg, tokenizer, accelerator)
 
     head_cfg, head = make_head(cfg, model, train_samples)
     head = head.float()
@@ -285,12 +318,14 @@ def main(cfg: TrainConfig) -> Path:
     t0, tokens_seen = time.perf_counter(), 0
     while step < cfg.max_steps:
         for _ in range(cfg.grad_accum):
-            batch = collate([train_samples[i] for i in next(stream)], pad_id)
+            idx = next(stream)
+            batch = collate([train_samples[i] for i in idx], pad_id)
+            feats = stored(store, [cfg.eval_samples + i for i in idx], batch, accelerator.device) if store else None
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             consumed += 1
             tokens_seen += int(batch["attention_mask"].sum())
             with accelerator.accumulate(head), accelerator.autocast():
-                loss, metrics = head_loss(cfg, head, model, batch)
+                loss, metrics = head_loss(cfg, head, model, batch, feats)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.clip > 0:
                     accelerator.clip_grad_norm_(head.parameters(), cfg.clip)
@@ -305,16 +340,16 @@ def main(cfg: TrainConfig) -> Path:
             accelerator.print(f"step {step}/{cfg.max_steps} loss {float(loss.detach()):.4f} tau~{metrics['tau_estimate']:.2f} "
                               f"lr {metrics['lr']:.2e} {time.perf_counter() - t0:.0f}s")
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
-            eval_metrics = evaluate(cfg, head, model, eval_samples, pad_id)
-            if accelerator.is_main_process:
+            eval_metrics = evaluate(cfg, head, model, eval_samples, pad_id, store)
+            if accelerator.is_main_process and store is None:
                 eval_metrics.update(real_tau(cfg, head_cfg, accelerator.unwrap_model(head), model, eval_samples, out_dir, tokenizer))
             accelerator.log(eval_metrics, step=step)
             write_metrics(accelerator, out_dir, step, eval_metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
             save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed})
 
-    eval_metrics = evaluate(cfg, head, model, eval_samples, pad_id)
-    if accelerator.is_main_process:
+    eval_metrics = evaluate(cfg, head, model, eval_samples, pad_id, store)
+    if accelerator.is_main_process and store is None:  # real tau needs the whole target
         eval_metrics.update(real_tau(cfg, head_cfg, accelerator.unwrap_model(head), model, eval_samples, out_dir, tokenizer))
     accelerator.log(eval_metrics, step=step)
     write_metrics(accelerator, out_dir, step, eval_metrics)

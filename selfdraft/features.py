@@ -1,0 +1,147 @@
+"""Target features for head training: computed online from the frozen target, or stored offline on disk.
+
+A head's loss needs, per token, some of the target's hidden states (index -1 = the final normed state;
+EAGLE-3 also its low/mid/high layer inputs) and the target's logits, which are ``lm_head(h[-1])``. Both
+paths produce the same ``{index: (batch, seq, hidden)}`` dict and the logits are recomputed from the
+last state by the target's lm_head in both, so a head trains the same either way.
+
+Offline layout (a folder): ``shard-00000.safetensors`` ... each holding ``{i}.input_ids``,
+``{i}.loss_mask`` and ``{i}.h{index}`` (seq, hidden) for its samples, and ``manifest.json`` (indices,
+dtype, samples per shard, target info), rewritten after each completed shard so an interrupted dump
+resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from selfdraft.data import TokenizedSample
+
+MANIFEST = "manifest.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@torch.no_grad()
+def target_features(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, indices: Iterable[int]) -> dict[int, Tensor]:
+    """{index: (batch, seq, hidden)} hidden states of the frozen target (-1 = final normed state)."""
+    indices = sorted(set(indices) | {-1})
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=indices, logits_to_keep=1)
+    return {i: out.hidden_states[i] for i in indices}
+
+
+def estimate_bytes(samples: list[TokenizedSample], hidden_size: int, num_states: int, dtype: str) -> int:
+    """Disk size of a dump: tokens x states x hidden x element size, plus ids and masks."""
+    tokens = sum(len(s.input_ids) for s in samples)
+    return tokens * (num_states * hidden_size * DTYPES[dtype].itemsize + 16)
+
+
+def write_features(
+    folder: str | Path,
+    model: nn.Module,
+    samples: list[TokenizedSample],
+    indices: Iterable[int],
+    target: dict,
+    dtype: str = "bfloat16",
+    per_shard: int = 64,
+    batch_size: int = 4,
+    pad_id: int = 0,
+    progress=None,
+) -> Path:
+    """Write the features of ``samples`` (in order) as shards; resumes after the last complete shard."""
+    from selfdraft.data import collate
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    indices = sorted(set(indices) | {-1})
+    meta = {"indices": indices, "dtype": dtype, "per_shard": per_shard, "num_samples": len(samples),
+            "target": target, "shards": []}
+    manifest = folder / MANIFEST
+    if manifest.is_file():
+        old = json.loads(manifest.read_text())
+        same = {k: old.get(k) for k in ("indices", "dtype", "per_shard", "num_samples", "target")}
+        if same != {k: meta[k] for k in same}:
+            raise ValueError(f"{folder} holds a different feature dump ({old.get('num_samples')} samples, "
+                             f"indices {old.get('indices')}); use another features_dir or delete it")
+        meta["shards"] = old["shards"]
+    device = next(model.parameters()).device
+    for shard, start in enumerate(range(0, len(samples), per_shard)):
+        name = f"shard-{shard:05d}.safetensors"
+        if name in meta["shards"]:
+            if progress:
+                progress.update(min(per_shard, len(samples) - start))
+            continue
+        tensors: dict[str, Tensor] = {}
+        chunk = samples[start : start + per_shard]
+        for b in range(0, len(chunk), batch_size):
+            part = chunk[b : b + batch_size]
+            batch = collate(part, pad_id)
+            feats = target_features(model, batch["input_ids"].to(device), batch["attention_mask"].to(device), indices)
+            for j, s in enumerate(part):
+                key, n = start + b + j, len(s.input_ids)
+                tensors[f"{key}.input_ids"] = torch.tensor(s.input_ids, dtype=torch.int64)
+                tensors[f"{key}.loss_mask"] = torch.tensor(s.loss_mask, dtype=torch.int8)
+                for i in indices:
+                    tensors[f"{key}.h{i}"] = feats[i][j, :n].to(DTYPES[dtype]).cpu().contiguous()
+            if progress:
+                progress.update(len(part))
+        tmp = folder / f".{name}.tmp"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, folder / name)
+        meta["shards"].append(name)
+        tmp_manifest = folder / f".{MANIFEST}.tmp"
+        tmp_manifest.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp_manifest, manifest)
+    return folder
+
+
+class FeatureStore:
+    """Reads a feature dump: samples in dump order and their stored hidden states."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        manifest = self.folder / MANIFEST
+        if not manifest.is_file():
+            raise FileNotFoundError(f"{self.folder} has no {MANIFEST}: write it with train/dump_features.py first")
+        self.meta = json.loads(manifest.read_text())
+        n, per = self.meta["num_samples"], self.meta["per_shard"]
+        expected = -(-n // per)
+        if len(self.meta["shards"]) != expected:
+            raise ValueError(f"{self.folder}: the dump is incomplete ({len(self.meta['shards'])} of {expected} "
+                             "shards); rerun train/dump_features.py with the same config to finish it")
+        self.indices = [int(i) for i in self.meta["indices"]]
+        self._open: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return self.meta["num_samples"]
+
+    def _shard(self, i: int):
+        s = i // self.meta["per_shard"]
+        if s not in self._open:
+            self._open[s] = safe_open(str(self.folder / self.meta["shards"][s]), framework="pt")
+        return self._open[s]
+
+    def sample(self, i: int) -> TokenizedSample:
+        f = self._shard(i)
+        return TokenizedSample(f.get_tensor(f"{i}.input_ids").tolist(), f.get_tensor(f"{i}.loss_mask").tolist())
+
+    def samples(self) -> list[TokenizedSample]:
+        return [self.sample(i) for i in range(len(self))]
+
+    def batch_features(self, ids: list[int], seq: int) -> dict[int, Tensor]:
+        """{index: (len(ids), seq, hidden)} float32, zero-padded on the right to ``seq``."""
+        out = {}
+        for idx in self.indices:
+            rows = [self._shard(i).get_tensor(f"{i}.h{idx}").float() for i in ids]
+            t = torch.zeros(len(rows), seq, rows[0].shape[-1])
+            for r, h in enumerate(rows):
+                t[r, : h.shape[0]] = h
+            out[idx] = t
+        return out
