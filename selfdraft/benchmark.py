@@ -4,7 +4,8 @@ All decoders run in one process on the same prompts; each gets one warm-up gener
 Speed is total new tokens / total wall time; greedy outputs are compared with this project's plain
 decoder (identity is an fp32 property: in bf16 a wider verification forward rounds differently, so
 the mean matching-prefix fraction is reported as well). Multi-turn prompt sets run as conversations:
-each decoder's reply to a turn is fed back before the next user turn.
+each decoder's reply to a turn is fed back before the next user turn, so once a decoder's reply
+differs from the reference, its later turns are compared on a different prompt.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import yaml
 from selfdraft.assets import package_file
 from selfdraft.config import opt
 from selfdraft.drafters import build_drafter
-from selfdraft.generate import GenerationConfig, generate
+from selfdraft.generate import ContextLengthError, GenerationConfig, generate
 from selfdraft.progress import bar
 from selfdraft.sampling import SamplingConfig
 from selfdraft.show import reached_depths
@@ -184,9 +185,10 @@ def _hf_generate(target: Target, ids: list[int], cfg: GenerationConfig, lookup: 
     if cfg.sampling.greedy:
         kwargs.update(do_sample=False)
     else:
-        # HF samples from the global generator: seeded per prompt so runs repeat
+        # HF samples from the global generator: seeded per prompt so runs repeat. top_k=0 is passed
+        # as is (off), so a model's generation_config default cannot switch a top-k filter on.
         torch.manual_seed(seed)
-        kwargs.update(do_sample=True, temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k or None,
+        kwargs.update(do_sample=True, temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
                       top_p=cfg.sampling.top_p)
     if lookup:
         kwargs.update(prompt_lookup_num_tokens=10)
@@ -202,6 +204,16 @@ def _prefix_match(a: list[int], b: list[int]) -> float:
             break
         n += 1
     return n / max(len(b), 1)
+
+
+def _check_fits(target: Target, ids: list[int], cfg: GenerationConfig, prompt: int, turn: int) -> None:
+    """Raise ContextLengthError for a turn that cannot fit: for every decoder alike (HF would run off the end)."""
+    if len(ids) + cfg.max_new_tokens > target.max_positions:
+        raise ContextLengthError(
+            f"prompt {prompt}, turn {turn}: {len(ids)} tokens + max_new_tokens {cfg.max_new_tokens} exceeds the "
+            f"target's context of {target.max_positions} positions; lower --max-new-tokens, use --turns first, "
+            f"or drop the prompt"
+        )
 
 
 def run_decoder(
@@ -233,10 +245,11 @@ def run_decoder(
 
     one(target.encode_chat(conversations[0].messages([]))[:32], 0)  # warm-up
     i = 0
-    for conv in conversations:
+    for n, conv in enumerate(conversations, 1):
         replies: list[str] = []
-        for _ in conv.turns:
+        for t in range(len(conv.turns)):
             ids = target.encode_chat(conv.messages(replies))
+            _check_fits(target, ids, cfg, n, t + 1)
             t0 = time.perf_counter()
             tokens, stats = one(ids, i)
             dt = time.perf_counter() - t0
@@ -301,6 +314,8 @@ def run_benchmark(
     """
     convs = [p if isinstance(p, Conversation) else Conversation((p,)) for p in prompts]
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)
+    for n, conv in enumerate(convs, 1):  # first turns up front; later turns are checked as they come
+        _check_fits(target, target.encode_chat(conv.messages([])), cfg, n, 1)
     order = (["plain"] if "plain" in decoders else []) + [d for d in decoders if d != "plain"]
     results: dict[str, DecoderResult] = {}
     reference = None

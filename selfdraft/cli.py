@@ -17,9 +17,15 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from selfdraft.config import ConfigError, add_arguments, from_args, opt
+
+if TYPE_CHECKING:
+    from selfdraft.benchmark import BenchConfig
+    from selfdraft.drafters.base import Drafter
+    from selfdraft.generate import GenerationConfig, GenerationOutput
+    from selfdraft.target import Target
 
 
 @dataclass(frozen=True)
@@ -61,15 +67,25 @@ class Output:
 
 
 OUTPUT_FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
-    "quiet": (("--quiet", "-q"), dict(action="store_true", help="no progress bars or loading notes on stderr")),
-    "json": (("--json",), dict(action="store_true", help="print one JSON object with the results to stdout "
-                                                          "instead of text and tables")),
-    "show_draft": (("--show-draft",), dict(action="store_true", help="colour each token by where it came from: "
-                                                                     "accepted draft (green), target correction "
-                                                                     "(red), bonus token (cyan)")),
-    "html": (("--html",), dict(metavar="FILE", help="write a standalone HTML page with the tokens coloured by "
-                                                    "source and the tau / tokens/s summary")),
+    "quiet": (
+        ("--quiet", "-q"),
+        dict(action="store_true", help="no progress bars or loading notes on stderr"),
+    ),
+    "json": (
+        ("--json",),
+        dict(action="store_true", help="print one JSON object with the results to stdout instead of text and tables"),
+    ),
+    "show_draft": (
+        ("--show-draft",),
+        dict(action="store_true", help="colour each token by where it came from: accepted draft (green), "
+                                       "target correction (red), bonus token (cyan), target (plain)"),
+    ),
+    "html": (
+        ("--html",),
+        dict(metavar="FILE", help="write a standalone HTML page: tokens coloured by source, tau, tokens/s"),
+    ),
 }
+"""Output flags a subcommand may take: name (the Output field) -> (flag names, argparse options)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +101,7 @@ class Command:
 # --- generate / chat -----------------------------------------------------------------------------
 
 
-def _load(cfg: DecodeConfig, out: Output):
+def _load(cfg: DecodeConfig, out: Output) -> tuple[Target, Drafter | None, GenerationConfig]:
     """Check the options, then load the target and build the drafter (with a progress bar)."""
     import torch
 
@@ -120,7 +136,9 @@ def _load(cfg: DecodeConfig, out: Output):
     return target, drafter, gen_cfg
 
 
-def _reply(target, ids: list[int], drafter, gen_cfg, show_draft: bool, live: bool):
+def _reply(
+    target: Target, ids: list[int], drafter: Drafter | None, gen_cfg: GenerationConfig, show_draft: bool, live: bool
+) -> tuple[GenerationOutput, list[str]]:
     """Generate one reply, streaming it to stdout when ``live``; returns (output, per-token texts)."""
     from selfdraft.generate import generate
     from selfdraft.show import TokenTexts, ansi_text
@@ -141,7 +159,7 @@ def _reply(target, ids: list[int], drafter, gen_cfg, show_draft: bool, live: boo
     return result, pieces
 
 
-def _stats_line(result) -> str:
+def _stats_line(result: GenerationOutput) -> str:
     s = result.stats
     return (
         f"[{s.new_tokens} tokens in {s.wall_s:.2f}s = {s.tokens_per_s:.1f} tok/s; tau {s.tau:.2f} over "
@@ -226,7 +244,7 @@ def run_chat(cfg: ChatConfig, out: Output) -> None:
 # --- bench ---------------------------------------------------------------------------------------
 
 
-def run_bench(cfg: Any, out: Output) -> None:
+def run_bench(cfg: BenchConfig, out: Output) -> None:
     """Decoders side by side: table (or JSON on stdout), JSON file, optional plots."""
     from selfdraft.benchmark import main as bench_main
     from selfdraft.progress import quiet_libraries
@@ -254,6 +272,7 @@ def commands() -> dict[str, Command]:
 
 
 def build_parser(cmds: dict[str, Command] | None = None) -> argparse.ArgumentParser:
+    """One subparser per command: ``--config``, the config's fields as flags, then its output flags."""
     parser = argparse.ArgumentParser(prog="selfdraft", description="Self-drafting speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cmd in (cmds or commands()).items():
@@ -274,6 +293,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse, run the subcommand, map user errors to one line and exit status 2."""
     cmds = commands()
     args = build_parser(cmds).parse_args(argv)
     cmd = cmds[args.command]

@@ -97,6 +97,7 @@ def test_generate_json_is_one_object(tiny_target_dir):
                "--max-new-tokens", "12", "--json", "--quiet")
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
+    assert "oading" not in proc.stderr, f"--quiet still printed loading notes or bars: {proc.stderr[-500:]}"
     assert len(result["tokens"]) == len(result["sources"]) == result["summary"]["new_tokens"], result
     assert result["summary"]["tau"] >= 1.0 and isinstance(result["text"], str), result
 
@@ -151,6 +152,16 @@ def test_prompt_longer_than_context_is_clean_error(tiny_target_dir):
     """Guards the context limit at the command line."""
     proc = run("generate", "--target", str(tiny_target_dir), "--dtype", "float32", "--prompt", "a" * 300)
     assert_clean_error(proc, "exceeds the target's context")
+
+
+def test_bench_prompt_longer_than_context_is_clean_error(tiny_target_dir, tmp_path):
+    """Guards bench on an over-long prompt: a located one-line error, not HF generate running off the context."""
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"prompt": "short"}) + "\n" + json.dumps({"prompt": "a" * 300}) + "\n")
+    proc = run("bench", "--target", str(tiny_target_dir), "--dtype", "float32", "--prompts", str(prompts),
+               "--max-new-tokens", "4", "--decoders", "hf plain", "--out", str(tmp_path / "r.json"), "--quiet")
+    assert_clean_error(proc, "prompt 2, turn 1")
+    assert "exceeds the target's context" in proc.stderr
 
 
 def test_chat_turn_longer_than_context_is_reported_and_chat_goes_on(tiny_target_dir):
