@@ -199,3 +199,66 @@ def test_dump_refuses_over_budget(tiny_target_dir, data_file, tmp_path):
     with pytest.raises(ValueError, match="features_budget_gb"):
         dump.main(cfg)
     assert not list((tmp_path / "f").glob("shard-*")), "nothing may be written past the budget"
+
+
+def test_medusa2_combined_loss_by_hand():
+    """Guards the Medusa-2 loss: backbone next-token CE on assistant tokens + decayed head losses."""
+    from conftest import tiny_model
+
+    from selfdraft.heads.medusa import MedusaConfig, MedusaHeads, medusa_loss
+    from selfdraft.heads.medusa2 import Medusa2, attach_lora
+
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(32, 96, 2, 1, False), model.get_output_embeddings())
+    module = Medusa2(attach_lora(model, 4, 8, 0.0, ["q_proj", "v_proj"]), heads)
+    ids = torch.randint(3, 96, (2, 9))
+    lmask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 0, 0]])
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        loss, parts, _ = module(ids, attn, lmask, decay=0.5, lm_weight=0.3)
+        out = model(input_ids=ids, output_hidden_states=[-1])
+        terms = [torch.nn.functional.cross_entropy(out.logits[b, t], ids[b, t + 1])
+                 for b in range(2) for t in range(8) if lmask[b, t + 1]]
+        lm = torch.stack(terms).mean()
+        head_total, _, _ = medusa_loss(heads(out.hidden_states[-1]), ids, lmask, 0.5)
+    assert torch.allclose(parts["lm"], lm, atol=1e-5), (parts["lm"], lm)
+    assert torch.allclose(loss, 0.3 * lm + head_total, atol=1e-5)
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or n.startswith("heads.") for n in trainable), sorted(trainable)[:5]
+
+
+def test_medusa2_trains_adapters_and_saves_target_with_heads(tiny_target_dir, data_file, tmp_path, capsys):
+    """Guards Medusa-2 end to end: loss falls, base weights unchanged, merged target + heads load together."""
+    from selfdraft.generate import GenerationConfig, generate
+    from selfdraft.heads import HeadMismatchError, head_type, load_head
+    from selfdraft.target import load_target
+
+    cfg = config(tiny_target_dir, data_file, tmp_path, head="medusa2", num_heads=2, lora_rank=4, max_steps=20)
+    head_dir = train.main(cfg)
+    rows = [r for r in metrics(tmp_path) if "loss" in r]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.2, (rows[0]["loss"], rows[-1]["loss"])
+    assert "loss/lm" in rows[-1] and "eval/tau" in metrics(tmp_path)[-1]
+    assert "target weights bit-identical" in capsys.readouterr().out
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    merged = load_target(str(tmp_path / "target"), dtype="float32")
+    base = load_target(str(tiny_target_dir), dtype="float32")
+    with pytest.raises(HeadMismatchError, match="adapted target"):
+        load_head(head_dir, base.model)
+    kind, heads, _ = load_head(head_dir, merged.model)
+    prompt = [5, 6, 7, 8, 9]
+    ref = generate(merged.model, prompt, None, GenerationConfig(max_new_tokens=16)).tokens
+    out = generate(merged.model, prompt, head_type(kind).drafter(heads), GenerationConfig(max_new_tokens=16))
+    assert out.tokens == ref
+
+
+def test_every_train_config_is_valid():
+    """Guards the shipped configs against drift: each loads into TrainConfig and names its command."""
+    from selfdraft.config import load
+
+    files = sorted((ROOT / "configs" / "train").glob("*.yaml"))
+    assert len(files) >= 7
+    for f in files:
+        cfg = load(train.TrainConfig, f)
+        assert cfg.head in ("medusa", "medusa2", "eagle1", "eagle3"), f
+        assert f.read_text().startswith("# accelerate launch") and f.name in f.read_text().splitlines()[0], f

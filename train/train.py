@@ -11,12 +11,12 @@ checkpoints and exact resume (same data order, optimizer, scheduler and RNG stat
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,10 +30,12 @@ from selfdraft.data import collate, load_conversations, prepare_samples, sharegp
 from selfdraft.features import FeatureStore, target_features
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.heads import head_type, load_head, save
-from selfdraft.heads.artifact import fingerprint, replace_dir
+from selfdraft.heads.artifact import fingerprint, replace_dir, save_head, target_info, weights_fingerprint
 from selfdraft.heads.eagle1 import Eagle1Config
 from selfdraft.heads.eagle3 import Eagle3Config, select_draft_vocab
 from selfdraft.heads.medusa import MedusaConfig, medusa_loss
+from selfdraft.heads.medusa2 import Medusa2, attach_lora
+from selfdraft.heads.medusa2 import base_weights_digest as weights_digest
 from selfdraft.target import eos_ids, load_target
 
 
@@ -41,7 +43,7 @@ from selfdraft.target import eos_ids, load_target
 class TrainConfig:
     target: str = opt("smollm2", "target: alias, local folder, .gguf file or hub id")
     target_dtype: str = opt("float32", "dtype the frozen target runs in (bfloat16 is faster on this CPU)")
-    head: str = opt("medusa", "head type: medusa, eagle1 or eagle3")
+    head: str = opt("medusa", "head type: medusa (Medusa-1), medusa2 (joint with LoRA), eagle1 or eagle3")
     num_heads: int = opt(4, "medusa: number of heads (draft depth)")
     num_layers: int = opt(1, "medusa: residual blocks per head")
     share_lm_head: bool = opt(True, "medusa: project with the target's lm_head instead of per-head copies")
@@ -59,6 +61,12 @@ class TrainConfig:
     loss_decay: float = opt(0.8, "weight of medusa head k / eagle3 unrolled step k is loss_decay**k")
     draft_vocab_size: int = opt(8192, "eagle3: reduced draft vocabulary (most frequent trained tokens)")
     ttt_steps: int = opt(7, "eagle3: training-time-test unrolled steps")
+    lora_rank: int = opt(8, "medusa2: LoRA rank")
+    lora_alpha: int = opt(16, "medusa2: LoRA alpha")
+    lora_dropout: float = opt(0.05, "medusa2: LoRA dropout")
+    lora_modules: str = opt("q_proj k_proj v_proj o_proj", "medusa2: target modules that get adapters (space-separated)")
+    lm_weight: float = opt(1.0, "medusa2: weight of the backbone LM loss next to the head losses")
+    merge_adapter: bool = opt(True, "medusa2: also save the target with the adapter merged (out_dir/target)")
     feature_weight: float = opt(1.0, "eagle1: weight of the smooth-L1 feature regression loss")
     token_weight: float = opt(0.1, "eagle1: weight of the soft cross-entropy token loss")
     feature_noise: float = opt(0.2, "eagle1: width of uniform noise added to input features (0 = off)")
@@ -108,6 +116,11 @@ def make_head(cfg: TrainConfig, model: torch.nn.Module, samples: list) -> tuple[
     if cfg.head == "medusa":
         head_cfg = MedusaConfig(c.hidden_size, c.vocab_size, cfg.num_heads, cfg.num_layers, cfg.share_lm_head)
         return head_cfg, head_type("medusa").build(head_cfg, model)
+    if cfg.head == "medusa2":
+        head_cfg = MedusaConfig(c.hidden_size, c.vocab_size, cfg.num_heads, cfg.num_layers, cfg.share_lm_head)
+        heads = head_type("medusa").build(head_cfg, model)
+        backbone = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_modules.split())
+        return head_cfg, Medusa2(backbone, heads)
     if cfg.head == "eagle1":
         head_cfg = Eagle1Config.for_target(model)
         return head_cfg, head_type("eagle1").build(head_cfg, model)
@@ -122,7 +135,7 @@ def make_head(cfg: TrainConfig, model: torch.nn.Module, samples: list) -> tuple[
         covered = counts[head.draft_ids.cpu()].sum().item() / max(1, counts.sum().item())
         print(f"[head] eagle3 draft vocabulary {head_cfg.draft_vocab_size} ids cover {100 * covered:.1f}% of trained tokens")
         return head_cfg, head
-    raise KeyError(f"unknown head '{cfg.head}'; train.py supports medusa, eagle1 and eagle3")
+    raise KeyError(f"unknown head '{cfg.head}'; train.py supports medusa, medusa2, eagle1 and eagle3")
 
 
 def feature_indices(cfg: TrainConfig, head: torch.nn.Module) -> tuple[int, ...]:
@@ -139,6 +152,9 @@ def stored(store: FeatureStore, ids: list[int], batch: dict, device: torch.devic
 def head_loss(cfg: TrainConfig, head, target, batch, feats: dict | None = None) -> tuple[torch.Tensor, dict]:
     """The head's loss on one batch. ``feats``: stored target features (offline); None runs the target."""
     ids, attn, lmask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    if cfg.head == "medusa2":  # gradients flow through the target's adapters: no stored features
+        loss, losses, accs = head(ids, attn, lmask, cfg.loss_decay, cfg.lm_weight)
+        return loss, metrics_of(losses, accs)
     if feats is None:
         feats = target_features(target, ids, attn, feature_indices(cfg, head))
     last = feats[-1]
@@ -156,6 +172,11 @@ def head_loss(cfg: TrainConfig, head, target, batch, feats: dict | None = None) 
             layers = feature_indices(cfg, head)
             features = torch.cat([feats[i] for i in layers], -1).float()
             loss, losses, accs = head(features, ids, logits, lmask, attn, cfg.ttt_steps, cfg.loss_decay)
+    return loss, metrics_of(losses, accs)
+
+
+def metrics_of(losses: list | dict, accs: list) -> dict:
+    """Console/W&B metrics: named losses, per-head top-1, and tau estimated from the top-1 chain."""
     named = losses.items() if isinstance(losses, dict) else enumerate(losses)
     metrics = {f"loss/{k}" if isinstance(k, str) else f"loss/head{k}": float(v) for k, v in named}
     metrics.update({f"top1/head{k}": float(v) for k, v in enumerate(accs)})
@@ -165,7 +186,7 @@ def head_loss(cfg: TrainConfig, head, target, batch, feats: dict | None = None) 
         chain *= float(a)
         tau += chain
     metrics["tau_estimate"] = tau
-    return loss, metrics
+    return metrics
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -184,15 +205,6 @@ def write_metrics(accelerator: Accelerator, out_dir: Path, step: int, metrics: d
         out_dir.mkdir(parents=True, exist_ok=True)
         with open(out_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 over every parameter and buffer's bytes: proves the target stayed frozen."""
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -240,18 +252,41 @@ def real_tau(cfg: TrainConfig, head_cfg: object, head: torch.nn.Module, model: t
     """
     if cfg.eval_tau_prompts <= 0:
         return {}
-    folder = save(out_dir / ".eval-head", cfg.head, head_cfg, head, model, cfg.target)
+    kind = "medusa" if cfg.head == "medusa2" else cfg.head  # Medusa-2 heads are Medusa heads on the adapted target
+    folder = save(out_dir / ".eval-head", kind, head_cfg, head, model, cfg.target)
     _, loaded, _ = load_head(folder, model)
     stops = eos_ids(model, tokenizer)
     steps = new = 0
     t0 = time.perf_counter()
     for sample in samples[: cfg.eval_tau_prompts]:
         first = sample.loss_mask.index(1) if 1 in sample.loss_mask else len(sample.input_ids)
-        drafter = head_type(cfg.head).drafter(loaded)
+        drafter = head_type(kind).drafter(loaded)
         out = generate(model, sample.input_ids[:first], drafter, GenerationConfig(max_new_tokens=cfg.eval_tau_tokens), stops)
         steps += out.stats.steps
         new += out.stats.new_tokens
     return {"eval/tau": new / max(1, steps), "eval/tau_tokens_per_s": new / (time.perf_counter() - t0)}
+
+
+def saved_head(cfg: TrainConfig, module: torch.nn.Module) -> torch.nn.Module:
+    """The module saved as the head folder (Medusa-2: its heads; the adapters go with the target)."""
+    return module.heads if cfg.head == "medusa2" else module
+
+
+def save_medusa2(cfg: TrainConfig, head_cfg: MedusaConfig, module: Medusa2, tokenizer, out_dir: Path) -> None:
+    """Medusa-2 result: out_dir/adapter (peft), out_dir/target (merged, a plain HF folder) and out_dir/head,
+    whose config records the merged target's weight fingerprint (it refuses the base target)."""
+    module.backbone.save_pretrained(str(out_dir / "adapter"))
+    if not cfg.merge_adapter:
+        save(out_dir / "head", "medusa", head_cfg, module.heads, module.backbone, cfg.target)
+        return
+    merged = module.backbone.merge_and_unload()
+    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".target.tmp-"))
+    merged.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    replace_dir(tmp, out_dir / "target")
+    info = target_info(merged, str(out_dir / "target"))
+    info["weights_fingerprint"] = weights_fingerprint(merged)
+    save_head(out_dir / "head", "medusa", head_cfg, module.heads, info, {"medusa2": {"adapter": "../adapter", "target": "../target"}})
 
 
 def main(cfg: TrainConfig) -> Path:
@@ -290,12 +325,15 @@ def main(cfg: TrainConfig) -> Path:
     else:
         train_samples, eval_samples = build_samples(cfg, tokenizer, accelerator)
 
+    if store is not None and cfg.head == "medusa2":
+        raise ValueError("medusa2 trains the target's adapters, so it cannot train from stored features; drop features_dir")
     head_cfg, head = make_head(cfg, model, train_samples)
-    head = head.float()
-    n_params = sum(p.numel() for p in head.parameters())
+    (head.heads if cfg.head == "medusa2" else head).float()  # the target itself keeps its dtype
+    params = [p for p in head.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
     accelerator.print(f"[head] {cfg.head}: {n_params / 1e6:.2f}M trainable parameters "
                       f"({100 * n_params / sum(p.numel() for p in model.parameters()):.1f}% of the target)")
-    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
 
@@ -328,7 +366,7 @@ def main(cfg: TrainConfig) -> Path:
                 loss, metrics = head_loss(cfg, head, model, batch, feats)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.clip > 0:
-                    accelerator.clip_grad_norm_(head.parameters(), cfg.clip)
+                    accelerator.clip_grad_norm_(params, cfg.clip)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
@@ -342,7 +380,7 @@ def main(cfg: TrainConfig) -> Path:
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
             eval_metrics = evaluate(cfg, head, model, eval_samples, pad_id, store)
             if accelerator.is_main_process and store is None:
-                eval_metrics.update(real_tau(cfg, head_cfg, accelerator.unwrap_model(head), model, eval_samples, out_dir, tokenizer))
+                eval_metrics.update(real_tau(cfg, head_cfg, saved_head(cfg, accelerator.unwrap_model(head)), model, eval_samples, out_dir, tokenizer))
             accelerator.log(eval_metrics, step=step)
             write_metrics(accelerator, out_dir, step, eval_metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
@@ -350,20 +388,24 @@ def main(cfg: TrainConfig) -> Path:
 
     eval_metrics = evaluate(cfg, head, model, eval_samples, pad_id, store)
     if accelerator.is_main_process and store is None:  # real tau needs the whole target
-        eval_metrics.update(real_tau(cfg, head_cfg, accelerator.unwrap_model(head), model, eval_samples, out_dir, tokenizer))
+        eval_metrics.update(real_tau(cfg, head_cfg, saved_head(cfg, accelerator.unwrap_model(head)), model, eval_samples, out_dir, tokenizer))
     accelerator.log(eval_metrics, step=step)
     write_metrics(accelerator, out_dir, step, eval_metrics)
     accelerator.print("[eval] " + " ".join(f"{k} {v:.3f}" for k, v in sorted(eval_metrics.items())))
     save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed})
     head_dir = out_dir / "head"
-    if accelerator.is_main_process:
-        save(head_dir, cfg.head, head_cfg, accelerator.unwrap_model(head), model, cfg.target)
-        accelerator.print(f"[done] head saved to {head_dir} ({time.perf_counter() - t0:.0f}s, "
-                          f"{tokens_seen * accelerator.num_processes} tokens seen)")
     print(f"[rank {accelerator.process_index}] head digest {weights_digest(accelerator.unwrap_model(head))}")
     if weights_digest(model) != frozen_before:
         raise RuntimeError("the frozen target's weights changed during training")
-    accelerator.print("[check] target weights bit-identical before and after training")
+    accelerator.print("[check] target weights bit-identical before and after training"
+                      + (" (base weights; the LoRA adapters trained)" if cfg.head == "medusa2" else ""))
+    if accelerator.is_main_process:
+        if cfg.head == "medusa2":
+            save_medusa2(cfg, head_cfg, accelerator.unwrap_model(head), tokenizer, out_dir)
+        else:
+            save(head_dir, cfg.head, head_cfg, accelerator.unwrap_model(head), model, cfg.target)
+        accelerator.print(f"[done] head saved to {head_dir} ({time.perf_counter() - t0:.0f}s, "
+                          f"{tokens_seen * accelerator.num_processes} tokens seen)")
     accelerator.end_training()
     return head_dir
 

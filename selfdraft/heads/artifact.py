@@ -40,6 +40,19 @@ def fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def weights_fingerprint(model: nn.Module) -> str:
+    """A hash of a strided sample of every parameter: tells a fine-tuned (e.g. Medusa-2) target from its base."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        if "lora_" in name:
+            continue
+        w = p.detach().flatten()
+        idx = torch.arange(256) * max(1, w.numel() // 256) % w.numel()
+        h.update(name.replace(".base_layer", "").encode())
+        h.update(w[idx].to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def target_info(model: nn.Module, name: str) -> dict[str, Any]:
     cfg = model.config
     return {
@@ -114,6 +127,11 @@ def check_target(meta: dict, model: nn.Module) -> None:
                 f"head was trained for another target: {key} is {want[key]} in the head, {have[key]} in "
                 f"the target '{want.get('name', '?')}' vs the one given; load the matching target"
             )
+    if "weights_fingerprint" in want and want["weights_fingerprint"] != weights_fingerprint(model):
+        raise HeadMismatchError(
+            f"head was trained with an adapted target (Medusa-2): its weights differ from the one given; "
+            f"load the target saved with it ({want.get('name', '?')})"
+        )
 
 
 def load_state_strict(module: nn.Module, tensors: dict[str, torch.Tensor], path: str | Path) -> None:
