@@ -254,12 +254,73 @@ def run_bench(cfg: BenchConfig, out: Output) -> None:
     bench_main(cfg, quiet=out.quiet, as_json=out.json)
 
 
+def run_tune(cfg, out: Output) -> None:
+    """Measure this machine and the head, save the best tree budget next to the head."""
+    from selfdraft.progress import quiet_libraries
+    from selfdraft.tune import main as tune_main
+
+    if out.quiet:
+        quiet_libraries()
+    result = tune_main(cfg)
+    if out.json:
+        print(json.dumps(result))
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    launch: str = opt("", "accelerate config YAML: run under `accelerate launch` (DDP, DeepSpeed) instead of in-process")
+
+
+def _program(name: str):
+    """Load a program from the repository's train/ folder (they are scripts, not library modules)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "train" / f"{name}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the training programs ship with the repository; "
+                                "clone it and `pip install -e .` there")
+    spec = importlib.util.spec_from_file_location(f"selfdraft_train_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module, path
+
+
+def _run_program(name: str, cfg, schema: type) -> None:
+    """In-process ``main(cfg)``, or ``accelerate launch`` with the options as key=value overrides."""
+    import subprocess
+
+    fields = {f.name for f in dataclasses.fields(schema)}
+    values = {k: v for k, v in dataclasses.asdict(cfg).items() if k in fields}
+    module, path = _program(name)
+    if not getattr(cfg, "launch", ""):
+        module.main(schema(**values))
+        return
+    if not os.path.isfile(cfg.launch):
+        raise FileNotFoundError(f"accelerate config not found: {cfg.launch}")
+    overrides = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in values.items()]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", cfg.launch, str(path), *overrides]
+    print("[launch] " + " ".join(cmd[2:5]) + " ...", file=sys.stderr)
+    code = subprocess.call(cmd)
+    if code != 0:
+        raise ValueError(f"accelerate launch exited with status {code}")
+
+
+def _train_schema():
+    from selfdraft.train_config import TrainConfig
+
+    return dataclass(frozen=True)(type("TrainCommandConfig", (LaunchOptions, TrainConfig), {}))
+
+
 # --- parser --------------------------------------------------------------------------------------
 
 
 def commands() -> dict[str, Command]:
     """Subcommand name -> Command. Adding a subcommand is one entry here plus its config and handler."""
     from selfdraft.benchmark import BenchConfig
+    from selfdraft.train_config import DistillConfig, TrainConfig
+    from selfdraft.tune import TuneConfig
 
     return {
         "generate": Command(GenerateConfig, run_generate, "generate text with a target and a drafter, streaming",
@@ -268,6 +329,14 @@ def commands() -> dict[str, Command]:
                         ("quiet", "show_draft")),
         "bench": Command(BenchConfig, run_bench, "benchmark decoders side by side: table, JSON and plots",
                          ("quiet", "json")),
+        "tune": Command(TuneConfig, run_tune, "pick the draft tree budget that is fastest on this machine, save it with the head",
+                        ("quiet", "json")),
+        "train": Command(_train_schema(), lambda cfg, out: _run_program("train", cfg, TrainConfig),
+                         "train a draft head on a frozen target (train/train.py; --config configs/train/*.yaml)", ()),
+        "features": Command(TrainConfig, lambda cfg, out: _run_program("dump_features", cfg, TrainConfig),
+                            "write a training config's target features to disk (train/dump_features.py)", ()),
+        "distill": Command(DistillConfig, lambda cfg, out: _run_program("distill", cfg, DistillConfig),
+                           "regenerate a conversation set's replies with the target (train/distill.py)", ()),
     }
 
 

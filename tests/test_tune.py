@@ -92,4 +92,4 @@ def test_tune_end_to_end_saves_and_is_used(fitted, tiny_target_dir, tmp_path, ca
     assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (opts["depth"], opts["top_k"], opts["total_tokens"])
     override = build_drafter("head", target.model, path=str(head_dir), total_tokens=1)
     assert override.total_tokens == 1, "explicit options must win over tune.json"
-    assert "tuned for this machine" in capsys.readouterr().out
+    assert "tuned for this machine" in capsys.readouterr().err

@@ -19,35 +19,21 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from selfdraft.config import load, opt
+from selfdraft.config import load
 from selfdraft.data import load_conversations, sharegpt_path
 from selfdraft.drafters import build_drafter
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.sampling import SamplingConfig
 from selfdraft.target import load_target
+from selfdraft.train_config import DistillConfig
 
 ROLE_OUT = {"user": "human", "assistant": "gpt", "system": "system"}
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    target: str = opt("smollm2", "target: alias, local folder, .gguf file or hub id")
-    dtype: str = opt("bfloat16", "target dtype (bfloat16 is faster on this CPU; float32 is exact)")
-    data: str = opt("sharegpt", "'sharegpt' (the shipped ShareGPT V3), a JSON/JSONL file or folder, or a hub id")
-    max_samples: int = opt(1000, "conversations to regenerate (0 = all)")
-    turns: str = opt("all", "'all' assistant turns, or 'first' (keep only the first exchange)")
-    max_new_tokens: int = opt(256, "new tokens per regenerated assistant turn")
-    temperature: float = opt(0.0, "0 = greedy; > 0 samples from the target (lossless through the engine)")
-    drafter: str = opt("prompt_lookup", "drafter that speeds regeneration up (NAME[:k=v,...], head:path=DIR, or none)")
-    out: str = opt("runs/distill/distilled.jsonl", "output JSONL (resumed if it exists)")
-    seed: int = opt(0, "sampling seed (per conversation: seed + index)")
-    threads: int = opt(0, "torch threads (0 = number of cores)")
 
 
 def completed_ids(path: Path) -> set[int]:

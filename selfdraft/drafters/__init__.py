@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from torch import nn
@@ -28,7 +29,7 @@ def _head(target: nn.Module, path: str, **options) -> Drafter:
     tuned = read_tuned(path)
     if tuned:
         shown = {k: v for k, v in tuned.items() if k != "paths"} or f"{len(tuned['paths'])} paths"
-        print(f"[head] tree tuned for this machine (tune.json): {shown}; options given here override it")
+        print(f"[head] tree tuned for this machine (tune.json): {shown}; options given here override it", file=sys.stderr)
     return head_type(kind).drafter(head, **{**tuned, **options})
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,7 +78,7 @@ def load_head(path: str | Path, target: nn.Module) -> tuple[str, nn.Module, dict
     head.to(dtype=dtype, device=next(target.parameters()).device).eval().requires_grad_(False)
     n = sum(p.numel() for p in head.parameters())
     total = sum(p.numel() for p in target.parameters())
-    print(f"[head {kind}: {n / 1e6:.2f}M parameters = {100 * n / total:.1f}% of the target's {total / 1e6:.1f}M]")
+    print(f"[head {kind}: {n / 1e6:.2f}M parameters = {100 * n / total:.1f}% of the target's {total / 1e6:.1f}M]", file=sys.stderr)
     return kind, head, meta
 
 

@@ -1,0 +1,64 @@
+"""The training-side subcommands (train, features, distill, tune) through the real entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "selfdraft.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli-data") / "convs.jsonl"
+    rows = [{"conversations": [{"from": "human", "value": f"say {w}"}, {"from": "gpt", "value": f"{w} {w} {w}"}]}
+            for w in ["abc", "xyz", "hello", "qqq"] * 6]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_train_then_tune_then_generate(tiny_target_dir, data_file, tmp_path):
+    """Guards the command chain a user runs: train a head, tune its tree, generate with the tuned tree."""
+    out = tmp_path / "run"
+    proc = run("train", "--target", str(tiny_target_dir), "--data", str(data_file), "--head", "eagle3",
+               "--max-samples", "20", "--eval-samples", "4", "--max-len", "48", "--max-steps", "4", "--log-every", "2",
+               "--eval-every", "0", "--save-every", "0", "--report-to", "none", "--draft-vocab-size", "48",
+               "--ttt-steps", "2", "--eval-tau-prompts", "1", "--eval-tau-tokens", "8", "--out-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    head = out / "head"
+    assert (head / "model.safetensors").is_file()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "say abc"}) + "\n" + json.dumps({"prompt": "say xyz"}))
+    proc = run("tune", "--head", str(head), "--target", str(tiny_target_dir), "--dtype", "float32",
+               "--prompts", str(prompts), "--limit", "2", "--max-new-tokens", "8", "--max-nodes", "4",
+               "--max-depth", "2", "--top-ks", "1 2", "--reps", "1", "--context", "8", "--json", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert json.loads((head / "tune.json").read_text())["drafter_options"] == result["drafter_options"]
+    proc = run("generate", "--target", str(tiny_target_dir), "--dtype", "float32", "--prompt", "say abc",
+               "--max-new-tokens", "6", "--drafter", f"head:path={head}", "--json", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tuned for this machine" in proc.stderr
+    json.loads(proc.stdout)  # nothing but the JSON object on stdout
+
+
+def test_training_commands_reject_bad_input(tiny_target_dir, data_file, tmp_path):
+    """Guards the error contract of train/tune/distill: one line, exit 2, no traceback."""
+    cases = [
+        (("tune",), "give the head folder"),
+        (("tune", "--head", str(tmp_path / "nope"), "--target", str(tiny_target_dir)), "not a head folder"),
+        (("train", "--launch", str(tmp_path / "missing.yaml"), "--target", str(tiny_target_dir)), "accelerate config not found"),
+        (("train", "--config", str(tmp_path / "missing.yaml")), "config file not found"),
+        (("train", "--target", str(tiny_target_dir), "--data", str(data_file), "--head", "nohead",
+          "--report-to", "none", "--out-dir", str(tmp_path / "x")), "unknown head"),
+        (("distill", "--target", str(tiny_target_dir), "--data", str(data_file), "--turns", "some"), "turns must be"),
+    ]
+    for args, needle in cases:
+        proc = run(*args)
+        assert proc.returncode == 2, (args, proc.returncode, proc.stderr[-800:])
+        assert "Traceback" not in proc.stderr and needle in proc.stderr, (args, proc.stderr[-800:])
