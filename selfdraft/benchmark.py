@@ -343,7 +343,8 @@ class BenchConfig:
     turns: str = opt("first", "multi-turn sets: 'first' user turn only, or 'all' turns with each reply fed back")
     limit: int = opt(10, "use the first N prompt records (0 = all)")
     max_new_tokens: int = opt(128, "new tokens per turn (>= 1)")
-    temperature: float = opt(0.0, "0 = greedy; > 0 samples (identity is then not reported)")
+    temperature: str = opt("0", "temperature(s), space-separated, one table each ('0 1.0': greedy and sampled in one run); "
+                                "> 0 samples (identity is then not reported)")
     top_k: int = opt(0, "top-k for sampling (0 = off)")
     top_p: float = opt(1.0, "top-p for sampling (1.0 = off)")
     decoders: tuple = opt(
@@ -353,6 +354,16 @@ class BenchConfig:
     threads: int = opt(0, "torch threads (0 = number of cores)")
     out: str = opt("outputs/bench.json", "where to write the JSON results")
     plots: str = opt("", "folder for PNG plots (accept lengths, acceptance by depth, speedup); '' = none")
+
+
+def temperatures(cfg: BenchConfig) -> list[float]:
+    try:
+        values = [float(t) for t in str(cfg.temperature).split()]
+    except ValueError as err:
+        raise ValueError(f"--temperature takes numbers separated by spaces, got '{cfg.temperature}'") from err
+    if not values:
+        raise ValueError("--temperature is empty: give at least one value (0 = greedy)")
+    return values
 
 
 def check_config(cfg: BenchConfig) -> list[Conversation]:
@@ -365,7 +376,8 @@ def check_config(cfg: BenchConfig) -> list[Conversation]:
         raise ValueError("--decoders is empty: name at least one decoder")
     for spec in cfg.decoders:
         parse_decoder(spec)
-    SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
+    for t in temperatures(cfg):
+        SamplingConfig(t, cfg.top_k, cfg.top_p)
     return load_conversations(cfg.prompts, cfg.limit or None, cfg.turns)
 
 
@@ -382,7 +394,6 @@ def main(cfg: BenchConfig, quiet: bool = False, as_json: bool = False) -> list[d
     with bar(1, f"loading {cfg.target}", not quiet) as pbar:
         target = load_target(cfg.target, dtype=cfg.dtype)
         pbar.update(1)
-    sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     meta = {
         "config": asdict(cfg),
         "machine": platform.processor() or platform.machine(),
@@ -392,19 +403,28 @@ def main(cfg: BenchConfig, quiet: bool = False, as_json: bool = False) -> list[d
         "num_prompts": len(convs),
         "num_turns": sum(len(c.turns) for c in convs),
     }
-    rows = run_benchmark(target, convs, list(cfg.decoders), cfg.max_new_tokens, sampling, cfg.out, meta,
-                         progress=not quiet)
-    plots = []
-    if cfg.plots:
-        from selfdraft.plots import plot_benchmark
+    rows, plots, tables = [], [], []
+    for t in temperatures(cfg):
+        part = run_benchmark(target, convs, list(cfg.decoders), cfg.max_new_tokens,
+                             SamplingConfig(t, cfg.top_k, cfg.top_p), None, meta, progress=not quiet)
+        for row in part:
+            row["temperature"] = t
+        rows.extend(part)
+        tables.append((t, part))
+        if cfg.plots:
+            from selfdraft.plots import plot_benchmark
 
-        title = f"{cfg.target} ({cfg.dtype}), temperature {cfg.temperature}"
-        plots = [str(p) for p in plot_benchmark(rows, cfg.plots, title)]
+            folder = Path(cfg.plots) / (f"t{t:g}" if len(temperatures(cfg)) > 1 else "")
+            plots += [str(p) for p in plot_benchmark(part, folder, f"{cfg.target} ({cfg.dtype}), temperature {t:g}")]
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(cfg.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
     if as_json:
         print(json.dumps({"meta": meta, "results": rows, "json": cfg.out, "plots": plots}))
         return rows
-    print(f"target {cfg.target} ({cfg.dtype}), {meta['num_prompts']} prompts / {meta['num_turns']} turns, "
-          f"{cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, {threads} threads")
-    print(format_table(rows))
+    for t, part in tables:
+        print(f"target {cfg.target} ({cfg.dtype}), {meta['num_prompts']} prompts / {meta['num_turns']} turns, "
+              f"{cfg.max_new_tokens} new tokens, temperature {t:g}, {threads} threads")
+        print(format_table(part))
+        print()
     print(f"wrote {cfg.out}" + "".join(f"\nwrote {p}" for p in plots))
     return rows

@@ -91,6 +91,22 @@ def test_bench_sampling_json_plots_quiet(tiny_target_dir, tmp_path):
     assert "bench" not in proc.stderr and "Loading" not in proc.stderr, f"--quiet still printed: {proc.stderr[-500:]}"
 
 
+def test_bench_greedy_and_sampled_in_one_run(tiny_target_dir, tmp_path):
+    """Guards one bench run at several temperatures: a table each, rows tagged, speedups per temperature."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["hello hello", "xyz xyz xyz"]))
+    out = tmp_path / "r.json"
+    proc = run("bench", "--target", str(tiny_target_dir), "--dtype", "float32", "--prompts", str(prompts),
+               "--max-new-tokens", "6", "--temperature", "0 1.0", "--decoders", "hf plain prompt_lookup",
+               "--out", str(out), "--quiet")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["temperature"], r["decoder"]) for r in rows] == [
+        (0.0, "hf"), (0.0, "plain"), (0.0, "prompt_lookup"), (1.0, "hf"), (1.0, "plain"), (1.0, "prompt_lookup")]
+    assert rows[2]["identical_frac"] == 1.0 and rows[5]["identical_frac"] is None
+    assert "temperature 0," in proc.stdout and "temperature 1," in proc.stdout, proc.stdout
+
+
 def test_generate_json_is_one_object(tiny_target_dir):
     """Guards --json for generate: stdout is a single JSON object with text, sources and tau."""
     proc = run("generate", "--target", str(tiny_target_dir), "--dtype", "float32", "--prompt", "abcabcabc",
