@@ -27,8 +27,7 @@ from selfdraft.drafters import build_drafter
 from selfdraft.generate import ContextLengthError, GenerationConfig, generate
 from selfdraft.progress import bar
 from selfdraft.sampling import SamplingConfig
-from selfdraft.show import reached_depths
-from selfdraft.stats import GenerationStats
+from selfdraft.stats import GenerationStats, acceptance_rates
 from selfdraft.target import Target
 
 PROMPT_KEYS = ("prompt", "instruction", "question", "text")
@@ -161,7 +160,7 @@ class DecoderResult:
         d.pop("outputs")
         d["accept_length_counts"] = {int(k): self.accept_length_counts[k] for k in sorted(self.accept_length_counts)}
         d.update(
-            acceptance_by_depth=reached_depths(self.depth_attempts, self.depth_accepts),
+            acceptance_by_depth=acceptance_rates(self.depth_attempts, self.depth_accepts),
             tokens_per_s=self.tokens_per_s,
             median_tok_s=statistics.median(self.per_prompt_tok_s) if self.per_prompt_tok_s else 0.0,
             tau=statistics.mean(self.taus) if self.taus else None,

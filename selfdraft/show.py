@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from selfdraft.stats import acceptance_rates
+
 SOURCES = ("draft", "correction", "bonus", "target")
 
 ANSI = {"draft": "\x1b[32m", "correction": "\x1b[31m", "bonus": "\x1b[36m", "target": ""}
@@ -85,13 +87,6 @@ def ansi_legend() -> str:
     return "  ".join(f"{ANSI[s]}{LABELS[s]}{ANSI_RESET}" if ANSI[s] else LABELS[s] for s in SOURCES)
 
 
-def reached_depths(attempts: Sequence[int], accepts: Sequence[int]) -> list[float]:
-    """Acceptance rate per draft depth, up to the deepest depth any draft reached (with its parent accepted)."""
-    rates = [a / t if t else 0.0 for t, a in zip(attempts, accepts)]
-    reached = max((d + 1 for d, t in enumerate(attempts) if t), default=0)
-    return rates[:reached]
-
-
 def summary(stats: object) -> dict:
     """The numbers shown under a page: tau, tokens/s, accept-length counts, acceptance by depth.
 
@@ -104,7 +99,7 @@ def summary(stats: object) -> dict:
         "tokens_per_s": stats.tokens_per_s,
         "target_forwards": stats.steps,
         "accept_length_counts": {int(k): counts[k] for k in sorted(counts)},
-        "acceptance_by_depth": reached_depths(stats.depth_attempts, stats.depth_accepts),
+        "acceptance_by_depth": acceptance_rates(stats.depth_attempts, stats.depth_accepts),
     }
 
 

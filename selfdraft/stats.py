@@ -6,7 +6,16 @@ i.e. 1 + accepted draft tokens, averaged over decode steps (the prefill forward 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+
+
+def acceptance_rates(attempts: Sequence[int], accepts: Sequence[int]) -> list[float]:
+    """Acceptance rate per draft depth, up to the deepest depth any draft reached with its parent accepted
+    (deeper depths were never tried, so they have no rate rather than 0%)."""
+    rates = [a / t if t else 0.0 for t, a in zip(attempts, accepts)]
+    reached = max((d + 1 for d, t in enumerate(attempts) if t), default=0)
+    return rates[:reached]
 
 
 @dataclass
@@ -49,8 +58,8 @@ class GenerationStats:
 
     @property
     def acceptance_by_depth(self) -> list[float]:
-        """P(accept depth d | draft reached d and depth d-1 was accepted)."""
-        return [acc / tries if tries else 0.0 for tries, acc in zip(self.depth_attempts, self.depth_accepts)]
+        """P(accept depth d | draft reached d and depth d-1 was accepted), up to the deepest depth reached."""
+        return acceptance_rates(self.depth_attempts, self.depth_accepts)
 
     @property
     def other_s(self) -> float:

@@ -21,11 +21,11 @@ from selfdraft.show import (
     SOURCES,
     ansi_text,
     html_page,
-    reached_depths,
     summary,
     token_texts,
     write_page,
 )
+from selfdraft.stats import acceptance_rates
 
 CHROMIUM = shutil.which("chromium")
 
@@ -134,8 +134,8 @@ def test_html_summary_shows_tau_and_accept_lengths(drafted):
 
 def test_acceptance_by_depth_stops_at_the_deepest_depth_reached():
     """Guards reporting 0% acceptance for depths no draft ever reached (they were never tried)."""
-    assert reached_depths([10, 4, 0, 0], [4, 0, 0, 0]) == [0.4, 0.0]
-    assert reached_depths([], []) == []
+    assert acceptance_rates([10, 4, 0, 0], [4, 0, 0, 0]) == [0.4, 0.0]
+    assert acceptance_rates([], []) == []
 
 
 def test_ansi_text_colours_each_token_by_source():
