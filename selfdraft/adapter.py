@@ -16,7 +16,7 @@ from functools import cache
 import torch
 from torch import Tensor, nn
 
-from selfdraft.cache import SpecCache
+from selfdraft.cache import RaggedCache, SpecCache
 from selfdraft.tree import Tree
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
@@ -71,16 +71,26 @@ def attention_mask(
 
     Sliding-window layers additionally hide keys at least ``sliding_window`` positions behind the query.
     """
+    masks = _additive_masks(model, visible, query_pos, key_pos, dtype)
+    if isinstance(masks, dict):
+        return {kind: m[None, None] for kind, m in masks.items()}
+    return masks[None, None]
+
+
+def _additive_masks(
+    model: nn.Module, visible: Tensor, query_pos: Tensor, key_pos: Tensor, dtype: torch.dtype
+) -> Tensor | dict[str, Tensor]:
+    """(..., q, k) additive mask(s) from a (..., q, k) visibility, (..., q) query and (..., k) key positions."""
     neg = torch.finfo(dtype).min
-    full = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, neg)[None, None]
+    full = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, neg)
     layer_types = getattr(model.config, "layer_types", None)
     if not layer_types or set(layer_types) == {"full_attention"}:
         return full
     window = model.config.sliding_window
-    in_window = (query_pos[:, None] - key_pos[None, :]) < window
+    in_window = (query_pos[..., :, None] - key_pos[..., None, :]) < window
     sliding = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     sliding.masked_fill_(~(visible & in_window), neg)
-    return {"full_attention": full, "sliding_attention": sliding[None, None]}
+    return {"full_attention": full, "sliding_attention": sliding}
 
 
 @dataclass
@@ -123,6 +133,51 @@ def tree_forward(
         use_cache=True,
         output_hidden_states=list(hidden_layers) if hidden_layers else False,
         logits_to_keep=1 if last_logits_only else 0,
+        **{_cache_kwarg(type(model)): cache},
+    )
+    hidden = {i: out.hidden_states[i] for i in hidden_layers} if hidden_layers else None
+    return ForwardOutput(out.logits, hidden)
+
+
+def ragged_tree_forward(
+    model: nn.Module,
+    cache: RaggedCache,
+    tokens: Tensor,
+    trees: list[Tree],
+    hidden_layers: tuple[int, ...] = (),
+) -> ForwardOutput:
+    """One target forward over a batch of trees, each after its own row's committed prefix.
+
+    tokens: (batch, n) node tokens of each row's tree in tree order, right-padded to n = the largest
+    tree. Row b's node i gets position ``lengths[b] + depth`` and its KV lands in cache slot
+    ``lengths[b] + i``; it sees the row's prefix and its own ancestors. Padding nodes see only
+    themselves (their logits and KV are garbage, dropped by compaction). Returns logits (batch, n, vocab).
+    """
+    device = tokens.device
+    batch, n = tokens.shape
+    lengths = cache.lengths  # (batch,) on the CPU
+    width = int(lengths.max()) + n
+    sizes = torch.tensor([t.size for t in trees])
+    tree_visible = torch.eye(n, dtype=torch.bool).repeat(batch, 1, 1)  # padding nodes see themselves
+    depth = torch.zeros(batch, n, dtype=torch.long)
+    for b, tree in enumerate(trees):
+        tree_visible[b, : tree.size, : tree.size] = tree.ancestors
+        depth[b, : tree.size] = tree.depth
+    positions = lengths[:, None] + depth  # (batch, n)
+    slots = lengths[:, None] + torch.arange(n)  # (batch, n) cache slot of each node
+    real = torch.arange(n)[None, :] < sizes[:, None]
+    prefix = torch.arange(width)[None, :] < lengths[:, None]  # (batch, width)
+    visible = (prefix[:, None, :] & real[:, :, None]).scatter(2, slots[:, None, :].expand(batch, n, n), tree_visible)
+    key_pos = torch.arange(width).repeat(batch, 1).scatter(1, slots, positions)
+    dtype = model.get_input_embeddings().weight.dtype
+    masks = _additive_masks(model, visible.to(device), positions.to(device), key_pos.to(device), dtype)
+    mask = {k: m[:, None] for k, m in masks.items()} if isinstance(masks, dict) else masks[:, None]
+    out = model(
+        input_ids=tokens,
+        attention_mask=mask,
+        position_ids=positions.to(device),
+        use_cache=True,
+        output_hidden_states=list(hidden_layers) if hidden_layers else False,
         **{_cache_kwarg(type(model)): cache},
     )
     hidden = {i: out.hidden_states[i] for i in hidden_layers} if hidden_layers else None

@@ -111,3 +111,145 @@ class SpecCache(Cache):
         """(batch, kv_heads, length, head_dim) views of one layer's committed keys and values."""
         layer = self.layers[layer_idx]
         return layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]
+
+
+class RaggedLayer(CacheLayerMixin):
+    """One layer's K/V for a batch whose rows have their own committed lengths.
+
+    Buffers are (batch, kv_heads, max_len, head_dim). Row b's committed entries sit at ``0 ..
+    lengths[b]``; a forward over (batch, n) tokens writes row b's new entries at ``lengths[b] ..
+    lengths[b] + n`` (a scatter) and attends over the first ``max(lengths) + n`` slots, so rows shorter
+    than the longest hide the slots in between through the attention mask.
+    """
+
+    is_sliding = False  # sliding windows are applied through the attention mask, the cache keeps everything
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, batch: int, max_len: int):
+        super().__init__()
+        self.batch, self.max_len = batch, max_len
+        self.lengths = torch.zeros(batch, dtype=torch.long)
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        _, h, _, d = key_states.shape
+        self.device = key_states.device
+        self.keys = torch.zeros(self.batch, h, self.max_len, d, dtype=key_states.dtype, device=self.device)
+        self.values = torch.zeros(
+            self.batch, h, self.max_len, value_states.shape[-1], dtype=value_states.dtype, device=self.device
+        )
+        self.is_initialized = True
+
+    def _grow(self, new_len: int) -> None:
+        """Reallocate to ``new_len`` positions (amortised doubling; rare when sized up front)."""
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], new_len, old.shape[-1])
+            new[:, :, : old.shape[2]] = old
+            setattr(self, name, new)
+        self.max_len = new_len
+
+    def _index(self, slots: Tensor, like: Tensor) -> Tensor:
+        """(batch, n) slot indices -> (batch, heads, n, dim) gather/scatter indices shaped like ``like``."""
+        n = slots.shape[1]
+        return slots.to(self.device)[:, None, :, None].expand(like.shape[0], like.shape[1], n, like.shape[-1])
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        end = int(self.lengths.max()) + n
+        if end > self.max_len:
+            self._grow(max(end, 2 * self.max_len))
+        slots = self.lengths[:, None] + torch.arange(n)
+        self.keys.scatter_(2, self._index(slots, key_states), key_states)
+        self.values.scatter_(2, self._index(slots, value_states), value_states)
+        self.lengths = self.lengths + n
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def load_row(self, row: int, keys: Tensor, values: Tensor) -> None:
+        """Put one sequence's (1, kv_heads, length, head_dim) keys/values in ``row`` (a newcomer's prefill)."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        n = keys.shape[2]
+        if n > self.max_len:
+            self._grow(max(n, 2 * self.max_len))
+        self.keys[row, :, :n] = keys[0]
+        self.values[row, :, :n] = values[0]
+        self.lengths[row] = n
+
+    def keep_rows(self, rows: Tensor) -> None:
+        """Keep only the batch rows ``rows`` (k,), in that order (drops finished rows; one copy)."""
+        if self.is_initialized:
+            self.keys = self.keys.index_select(0, rows.to(self.device))
+            self.values = self.values.index_select(0, rows.to(self.device))
+        self.lengths = self.lengths[rows]
+        self.batch = rows.numel()
+
+    def compact(self, starts: Tensor, keep: Tensor, counts: Tensor) -> None:
+        """Row b keeps entries ``starts[b] + keep[b, :counts[b]]`` at ``starts[b] .. starts[b] + counts[b]``.
+
+        starts, counts: (batch,); keep: (batch, k) sorted offsets, right-padded with anything in ``0 .. n``.
+        """
+        k = keep.shape[1]
+        if self.is_initialized and k:
+            src = starts[:, None] + keep
+            dst = starts[:, None] + torch.arange(k)
+            for buf in (self.keys, self.values):
+                # gather copies first, so overlapping source and destination are safe
+                buf.scatter_(2, self._index(dst, buf), buf.gather(2, self._index(src, buf)))
+        self.lengths = starts + counts
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return int(self.lengths.max()) + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return int(self.lengths.max())
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+
+
+class RaggedCache(Cache):
+    """KV cache for a batch of sequences with their own lengths: per-row writes, per-row compaction.
+
+    The batched form of :class:`SpecCache`: no padding is ever shifted; each row's tree is written
+    right after its own committed prefix and compacted there.
+    """
+
+    def __init__(self, num_layers: int, batch: int, max_len: int):
+        super().__init__(layers=[RaggedLayer(batch, max_len) for _ in range(num_layers)])
+
+    @property
+    def lengths(self) -> Tensor:
+        """(batch,) committed length of each row (all layers agree between forwards)."""
+        return self.layers[0].lengths
+
+    @property
+    def batch(self) -> int:
+        return self.layers[0].batch
+
+    def load_row(self, row: int, source: SpecCache) -> None:
+        """Copy a batch-1 cache (a newcomer's prefill) into ``row``."""
+        for layer, src in zip(self.layers, source.layers):
+            layer.load_row(row, src.keys[:, :, : src.length], src.values[:, :, : src.length])
+
+    def keep_rows(self, rows: Tensor) -> None:
+        """Keep the batch rows ``rows`` (k,) in that order."""
+        for layer in self.layers:
+            layer.keep_rows(rows)
+
+    def compact(self, starts: Tensor, keep: Tensor, counts: Tensor) -> None:
+        """After a ragged tree forward written at ``starts`` (batch,): row b keeps its nodes
+        ``keep[b, :counts[b]]`` (sorted, root first; keep (batch, k) right-padded)."""
+        for layer in self.layers:
+            layer.compact(starts, keep, counts)
+
+    def key_value(self, layer_idx: int, row: int) -> tuple[Tensor, Tensor]:
+        """(kv_heads, length, head_dim) views of one row's committed keys and values in one layer."""
+        layer = self.layers[layer_idx]
+        n = int(layer.lengths[row])
+        return layer.keys[row, :, :n], layer.values[row, :, :n]

@@ -1,0 +1,300 @@
+"""Continuous batching for tree speculative decoding: many prompts, one target forward per step.
+
+Requests wait in a queue; ``batch_size`` slots decode together. Each step: 1. every row's drafter
+proposes its own tree (trimmed by a :class:`TreePolicy` budget that shrinks as the batch grows);
+2. one target forward verifies all rows' trees, right-padded to the largest with dummy nodes that
+see only themselves; 3. each row runs its own acceptance rule (greedy-exact, lossless tree rejection
+sampling, or typical) and so accepts its own number of tokens; 4. each row's KV cache is compacted
+to its accepted path. A row ends on its own EOS / stop string / max_new_tokens and its slot is
+refilled from the queue (the newcomer's prefill is its own batch-1 forward, copied into the slot).
+
+Ragged lengths: a per-row length vector, not left padding. The :class:`~selfdraft.cache.RaggedCache`
+keeps row b's committed KV at slots ``0 .. lengths[b]``; a step writes row b's tree right after it
+and attends over ``max(lengths) + n`` slots with a per-row mask hiding the gap, with per-row position
+ids ``lengths[b] + depth``. Rows accept different numbers of tokens, so left padding would have to
+shift every row's cache by its own amount after every step (or let padding grow without bound);
+with per-row offsets compaction is one gather/scatter per layer and a newcomer just overwrites its
+slot. When the queue is empty, finished rows are dropped from the batch (one copy) so the tail does
+not compute dead rows.
+
+Each row is exactly what :func:`selfdraft.generate.generate` would produce alone: greedy rows equal
+plain greedy decoding token for token (fp32), sampling rows follow the target distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from selfdraft.adapter import new_cache, num_layers, ragged_tree_forward, tree_forward
+from selfdraft.cache import RaggedCache
+from selfdraft.drafters.base import Draft, Drafter, StepResult, root_only
+from selfdraft.generate import CACHE_SLACK, GenerationConfig, _accept, _fit_budget, _fit_draft
+from selfdraft.sampling import choose
+from selfdraft.stats import GenerationStats
+from selfdraft.tree import chain_tree, select_nodes
+
+DEFAULT_CONFIG = GenerationConfig()
+
+
+@dataclass(frozen=True)
+class TreePolicy:
+    """How much each row may draft as the batch grows.
+
+    At batch 1 the target forward is memory-bound, so verifying a wide tree costs about as much as
+    one token; as rows are added the forward becomes compute-bound and every extra verified node
+    costs real time, so speculation pays less. The policy caps the nodes verified per step over all
+    rows and can switch speculation off above a batch size.
+    """
+
+    max_step_tokens: int | None = 64
+    """Cap on tree nodes (roots included) verified per step over all rows; each of r rows may then
+    verify ``max_step_tokens // r`` nodes, i.e. draft one fewer. None: no cap."""
+    max_draft_per_row: int | None = None
+    """Cap on draft nodes per row at any batch size. None: whatever the drafter proposes."""
+    speculate_up_to: int | None = None
+    """Batch sizes above this decode plainly (no drafting at all). None: always speculate."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_step_tokens", "max_draft_per_row", "speculate_up_to"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"TreePolicy.{name} must be >= 0 or None, got {value}")
+
+
+def draft_budget(rows: int, policy: TreePolicy) -> int | None:
+    """Draft nodes (root excluded) each of ``rows`` rows may verify this step; None means unlimited."""
+    if policy.speculate_up_to is not None and rows > policy.speculate_up_to:
+        return 0
+    budget = None
+    if policy.max_step_tokens is not None:
+        budget = max(0, policy.max_step_tokens // max(rows, 1) - 1)
+    if policy.max_draft_per_row is not None:
+        budget = policy.max_draft_per_row if budget is None else min(budget, policy.max_draft_per_row)
+    return budget
+
+
+def limit_nodes(draft: Draft, max_draft: int) -> Draft:
+    """Keep the root and the first ``max_draft`` nodes in tree order.
+
+    Any prefix of the node order is closed under ancestors (``parents[i] < i``), and drafters list
+    their best candidates first (the top path of a trie, the shallow levels of a static tree), so
+    this keeps a valid, high-value subtree.
+    """
+    if draft.tree.size <= max_draft + 1:
+        return draft
+    tree, keep = select_nodes(draft.tree, torch.arange(draft.tree.size) <= max_draft)
+    q = draft.q[keep] if draft.q is not None else None
+    return Draft(tree, draft.tokens[keep], q)
+
+
+@dataclass
+class BatchResult:
+    """One request's outcome, in the order the prompts were given."""
+
+    index: int
+    """Position of the prompt in the input list."""
+    tokens: list[int] = field(default_factory=list)
+    """New tokens (EOS included when it ended generation)."""
+    sources: list[str] = field(default_factory=list)
+    """Per new token: 'draft', 'correction', 'bonus' or 'target' (as in GenerationOutput)."""
+    stop_reason: str = "max_new_tokens"
+    """'eos', 'stop_string', 'max_new_tokens' or 'error'."""
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    """Per-request statistics; verify_s counts the batched forwards the row took part in."""
+    latency_s: float = 0.0
+    """Seconds from the start of :func:`generate_batch` to this request's last token (queueing included)."""
+    error: str | None = None
+    """The exception message when the request could not run (e.g. prompt over the context limit)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class _Row:
+    """A request in a slot: its committed sequence, budget, drafter and stop bookkeeping."""
+
+    def __init__(self, result: BatchResult, prompt: list[int], budget: int, drafter: Drafter | None):
+        self.result, self.budget, self.drafter = result, budget, drafter
+        self.committed = list(prompt)
+        self.started = time.perf_counter()
+
+    def emit(self, new: list[int], sources: list[str], eos: frozenset[int], cfg: GenerationConfig, tokenizer) -> bool:
+        """Append tokens up to a stop condition; returns True when the request is over."""
+        out = self.result
+        taken = 0
+        done = False
+        for tok in new:
+            out.tokens.append(tok)
+            taken += 1
+            if tok in eos:
+                out.stop_reason, done = "eos", True
+            elif cfg.stop_strings and any(s in tokenizer.decode(out.tokens) for s in cfg.stop_strings):
+                out.stop_reason, done = "stop_string", True
+            elif len(out.tokens) >= self.budget:
+                out.stop_reason, done = "max_new_tokens", True
+            if done:
+                break
+        out.sources.extend(sources[:taken])
+        self.committed.extend(new[:taken])
+        return done
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    make_drafter: Callable[[], Drafter] | None = None,
+    cfg: GenerationConfig = DEFAULT_CONFIG,
+    eos_token_ids: Sequence[int] | frozenset[int] = (),
+    tokenizer: object | None = None,
+    batch_size: int = 8,
+    policy: TreePolicy = TreePolicy(),
+) -> list[BatchResult]:
+    """Generate for every prompt with continuous batching; returns one result per prompt, in order.
+
+    ``make_drafter()`` builds one drafter per slot (drafters keep per-sequence state such as their
+    own KV cache; a slot's drafter is reset for each newcomer). None decodes plainly. Rows that
+    cannot run (empty prompt, over the context limit with ``on_context_overflow='error'``) come back
+    with ``stop_reason='error'`` and ``error`` set; the others are unaffected.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if cfg.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer to decode the text")
+    t_start = time.perf_counter()
+    device = next(model.parameters()).device
+    max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 20))
+    eos = frozenset(int(e) for e in eos_token_ids)
+    generator = None
+    if not cfg.sampling.greedy or cfg.acceptance == "typical":
+        generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+
+    results = [BatchResult(index=i) for i in range(len(prompts))]
+    queue: deque[tuple[int, list[int], int]] = deque()
+    for i, prompt in enumerate(prompts):
+        prompt = [int(t) for t in prompt]
+        try:
+            budget = _fit_budget(len(prompt), cfg, max_pos)
+        except ValueError as err:  # ContextLengthError included
+            results[i].stop_reason, results[i].error = "error", str(err)
+            continue
+        if budget == 0:
+            continue
+        queue.append((i, prompt, budget))
+    if not queue:
+        return results
+
+    max_len = max(len(p) + b for _, p, b in queue) + CACHE_SLACK
+    slots = min(batch_size, len(queue))
+    cache = RaggedCache(num_layers(model), slots, max_len)
+    drafters: list[Drafter | None] = [make_drafter() if make_drafter else None for _ in range(slots)]
+    hidden_layers = tuple(getattr(drafters[0], "hidden_layers", ()))
+    rows: list[_Row | None] = [None] * slots
+
+    def finish(row: _Row) -> None:
+        row.result.stats.new_tokens = len(row.result.tokens)
+        row.result.stats.wall_s = time.perf_counter() - row.started
+        row.result.latency_s = time.perf_counter() - t_start
+
+    def admit(slot: int) -> None:
+        """Prefill queued requests into ``slot`` until one needs decoding steps (or the queue is empty)."""
+        while queue:
+            index, prompt, budget = queue.popleft()
+            row = _Row(results[index], prompt, budget, drafters[slot])
+            stats = row.result.stats
+            t0 = time.perf_counter()
+            own = new_cache(model, len(prompt))
+            ids = torch.tensor([prompt], device=device)
+            fwd = tree_forward(model, own, ids, chain_tree(len(prompt) - 1), hidden_layers, True)
+            first = int(choose(fwd.logits[0, -1], cfg.sampling, generator))
+            cache.load_row(slot, own)
+            stats.prefill_s = time.perf_counter() - t0
+            if row.emit([first], ["target"], eos, cfg, tokenizer):
+                finish(row)
+                continue
+            if row.drafter is not None:
+                t0 = time.perf_counter()
+                row.drafter.reset(StepResult(torch.tensor(row.committed), 0, fwd.hidden_states))
+                stats.draft_s += time.perf_counter() - t0
+            rows[slot] = row
+            return
+
+    while True:
+        for slot, row in enumerate(rows):
+            if row is None:
+                admit(slot)
+        if any(row is None for row in rows):  # the queue ran dry: drop the empty slots from the batch
+            live = [s for s, row in enumerate(rows) if row is not None]
+            if not live:
+                break
+            cache.keep_rows(torch.tensor(live))
+            rows = [rows[s] for s in live]
+        active: list[_Row] = rows  # type: ignore[assignment]
+        max_draft = draft_budget(len(active), policy) if make_drafter else 0
+
+        # 1. draft: each row its own tree, trimmed to the policy's budget and the row's remaining tokens
+        drafts: list[Draft] = []
+        draft_times: list[float] = []
+        for row in active:
+            t0 = time.perf_counter()
+            root = row.committed[-1]
+            if row.drafter is None or max_draft == 0:
+                draft = root_only(root)
+            else:
+                draft = row.drafter.propose(torch.tensor(row.committed), cfg.sampling, generator)
+                if int(draft.tokens[0]) != root:
+                    raise RuntimeError(f"drafter returned a tree rooted at {int(draft.tokens[0])}, expected {root}")
+                if max_draft is not None:
+                    draft = limit_nodes(draft, max_draft)
+                draft = _fit_draft(draft, row.budget - len(row.result.tokens))
+            drafts.append(draft)
+            draft_times.append(time.perf_counter() - t0)
+
+        # 2. verify: one forward over every row's tree, right-padded with self-only dummy nodes
+        t0 = time.perf_counter()
+        width = max(d.tree.size for d in drafts)
+        tokens = torch.zeros(len(active), width, dtype=torch.long)
+        for b, draft in enumerate(drafts):
+            tokens[b, : draft.tree.size] = draft.tokens
+            tokens[b, draft.tree.size :] = draft.tokens[0]
+        starts = cache.lengths.clone()
+        fwd = ragged_tree_forward(model, cache, tokens.to(device), [d.tree for d in drafts], hidden_layers)
+        verify_s = time.perf_counter() - t0
+
+        # 3. accept, per row
+        accs = [_accept(d, fwd.logits[b, : d.tree.size], cfg, generator) for b, d in enumerate(drafts)]
+
+        # 4. update cache: each row keeps its root and accepted nodes right after its own prefix
+        kept = max(acc.path.numel() for acc in accs)
+        keep = torch.zeros(len(active), kept, dtype=torch.long)
+        counts = torch.zeros(len(active), dtype=torch.long)
+        for b, acc in enumerate(accs):
+            keep[b, : acc.path.numel()] = acc.path
+            counts[b] = acc.path.numel()
+        cache.compact(starts, keep, counts)
+
+        for b, (row, draft, acc) in enumerate(zip(active, drafts, accs)):
+            accepted = draft.tokens[acc.path[1:]].tolist()
+            leaf = len(draft.tree.children()[int(acc.path[-1])]) == 0
+            last = "target" if draft.tree.size == 1 else ("bonus" if leaf else "correction")
+            row.result.stats.record_step(draft.tree.max_depth, acc.num_accepted, draft_times[b], verify_s)
+            done = row.emit(accepted + [acc.next_token], ["draft"] * len(accepted) + [last], eos, cfg, tokenizer)
+            if done:
+                finish(row)
+                rows[b] = None
+            elif row.drafter is not None:
+                hidden = None
+                if fwd.hidden_states is not None:
+                    path = acc.path.to(device)
+                    hidden = {i: h[b : b + 1, path] for i, h in fwd.hidden_states.items()}
+                t1 = time.perf_counter()
+                row.drafter.update(StepResult(torch.tensor(row.committed), acc.num_accepted, hidden))
+                row.result.stats.draft_s += time.perf_counter() - t1
+    return results
