@@ -145,13 +145,15 @@ def ragged_tree_forward(
     tokens: Tensor,
     trees: list[Tree],
     hidden_layers: tuple[int, ...] = (),
+    logits_at: Tensor | None = None,
 ) -> ForwardOutput:
     """One target forward over a batch of trees, each after its own row's committed prefix.
 
     tokens: (batch, n) node tokens of each row's tree in tree order, right-padded to n = the largest
     tree. Row b's node i gets position ``lengths[b] + depth`` and its KV lands in cache slot
     ``lengths[b] + i``; it sees the row's prefix and its own ancestors. Padding nodes see only
-    themselves (their logits and KV are garbage, dropped by compaction). Returns logits (batch, n, vocab).
+    themselves (their logits and KV are garbage, dropped by compaction). Returns logits (batch, n, vocab),
+    or (batch, k, vocab) at the node indices ``logits_at`` (k,) only (prefill: the last prompt positions).
     """
     device = tokens.device
     batch, n = tokens.shape
@@ -178,6 +180,7 @@ def ragged_tree_forward(
         position_ids=positions.to(device),
         use_cache=True,
         output_hidden_states=list(hidden_layers) if hidden_layers else False,
+        logits_to_keep=logits_at.to(device) if logits_at is not None else 0,
         **{_cache_kwarg(type(model)): cache},
     )
     hidden = {i: out.hidden_states[i] for i in hidden_layers} if hidden_layers else None

@@ -6,7 +6,8 @@ proposes its own tree (trimmed by a :class:`TreePolicy` budget that shrinks as t
 see only themselves; 3. each row runs its own acceptance rule (greedy-exact, lossless tree rejection
 sampling, or typical) and so accepts its own number of tokens; 4. each row's KV cache is compacted
 to its accepted path. A row ends on its own EOS / stop string / max_new_tokens and its slot is
-refilled from the queue (the newcomer's prefill is its own batch-1 forward, copied into the slot).
+refilled from the queue (newcomers admitted together share one prefill forward, whose KV is then
+copied into their slots).
 
 Ragged lengths: a per-row length vector, not left padding. The :class:`~selfdraft.cache.RaggedCache`
 keeps row b's committed KV at slots ``0 .. lengths[b]``; a step writes row b's tree right after it
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from selfdraft.adapter import new_cache, num_layers, ragged_tree_forward, tree_forward
+from selfdraft.adapter import num_layers, ragged_tree_forward
 from selfdraft.cache import RaggedCache
 from selfdraft.drafters.base import Draft, Drafter, StepResult, root_only
 from selfdraft.generate import CACHE_SLACK, GenerationConfig, _accept, _fit_budget, _fit_draft
@@ -203,33 +204,47 @@ def generate_batch(
         row.result.stats.wall_s = time.perf_counter() - row.started
         row.result.latency_s = time.perf_counter() - t_start
 
-    def admit(slot: int) -> None:
-        """Prefill queued requests into ``slot`` until one needs decoding steps (or the queue is empty)."""
-        while queue:
-            index, prompt, budget = queue.popleft()
+    def prefill(newcomers: list[tuple[int, int, list[int], int]]) -> None:
+        """Prefill (slot, index, prompt, budget) newcomers in one forward and copy their KV into their slots."""
+        t0 = time.perf_counter()
+        lengths = [len(prompt) for _, _, prompt, _ in newcomers]
+        width = max(lengths)
+        tokens = torch.zeros(len(newcomers), width, dtype=torch.long)
+        for b, (_, _, prompt, _) in enumerate(newcomers):
+            tokens[b, : len(prompt)] = torch.tensor(prompt)
+        last = torch.tensor(sorted(set(n - 1 for n in lengths)))
+        own = RaggedCache(num_layers(model), len(newcomers), width)
+        trees = [chain_tree(n - 1) for n in lengths]
+        fwd = ragged_tree_forward(model, own, tokens.to(device), trees, hidden_layers, logits_at=last)
+        cache.load_rows([slot for slot, *_ in newcomers], own, lengths)
+        elapsed = time.perf_counter() - t0
+        for b, (slot, index, prompt, budget) in enumerate(newcomers):
             row = _Row(results[index], prompt, budget, drafters[slot])
-            stats = row.result.stats
-            t0 = time.perf_counter()
-            own = new_cache(model, len(prompt))
-            ids = torch.tensor([prompt], device=device)
-            fwd = tree_forward(model, own, ids, chain_tree(len(prompt) - 1), hidden_layers, True)
-            first = int(choose(fwd.logits[0, -1], cfg.sampling, generator))
-            cache.load_row(slot, own)
-            stats.prefill_s = time.perf_counter() - t0
+            row.started = t0
+            row.result.stats.prefill_s = elapsed
+            first = int(choose(fwd.logits[b, int((last == lengths[b] - 1).nonzero())], cfg.sampling, generator))
             if row.emit([first], ["target"], eos, cfg, tokenizer):
                 finish(row)
                 continue
             if row.drafter is not None:
-                t0 = time.perf_counter()
-                row.drafter.reset(StepResult(torch.tensor(row.committed), 0, fwd.hidden_states))
-                stats.draft_s += time.perf_counter() - t0
+                hidden = None
+                if fwd.hidden_states is not None:
+                    hidden = {i: h[b : b + 1, : lengths[b]] for i, h in fwd.hidden_states.items()}
+                t1 = time.perf_counter()
+                row.drafter.reset(StepResult(torch.tensor(row.committed), 0, hidden))
+                row.result.stats.draft_s += time.perf_counter() - t1
             rows[slot] = row
-            return
+
+    def admit() -> None:
+        """Fill free slots from the queue; newcomers done after their first token free their slot again."""
+        while queue:
+            free = [s for s, row in enumerate(rows) if row is None]
+            if not free:
+                return
+            prefill([(slot, *queue.popleft()) for slot in free[: len(queue)]])
 
     while True:
-        for slot, row in enumerate(rows):
-            if row is None:
-                admit(slot)
+        admit()
         if any(row is None for row in rows):  # the queue ran dry: drop the empty slots from the batch
             live = [s for s, row in enumerate(rows) if row is not None]
             if not live:

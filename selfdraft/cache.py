@@ -8,6 +8,8 @@ cache plugs into an unmodified Hugging Face model through its public ``cache`` a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -232,10 +234,11 @@ class RaggedCache(Cache):
     def batch(self) -> int:
         return self.layers[0].batch
 
-    def load_row(self, row: int, source: SpecCache) -> None:
-        """Copy a batch-1 cache (a newcomer's prefill) into ``row``."""
+    def load_rows(self, rows: Sequence[int], source: RaggedCache, lengths: Sequence[int]) -> None:
+        """Copy row b of ``source`` (its first ``lengths[b]`` entries: a newcomer's prefill) into ``rows[b]``."""
         for layer, src in zip(self.layers, source.layers):
-            layer.load_row(row, src.keys[:, :, : src.length], src.values[:, :, : src.length])
+            for b, (row, n) in enumerate(zip(rows, lengths)):
+                layer.load_row(row, src.keys[b : b + 1, :, :n], src.values[b : b + 1, :, :n])
 
     def keep_rows(self, rows: Tensor) -> None:
         """Keep the batch rows ``rows`` (k,) in that order."""

@@ -1,0 +1,284 @@
+"""Continuous batching: every row equals its prompt decoded alone (greedy, fp32) or follows p (sampling)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, random_prompt, tiny_model
+from helpers import ScriptedDrafter
+from test_sampling import chi2_pvalue, exact_third_token
+
+from selfdraft.adapter import new_cache, ragged_tree_forward, tree_forward
+from selfdraft.batch import TreePolicy, draft_budget, generate_batch, limit_nodes
+from selfdraft.cache import RaggedCache
+from selfdraft.drafters import PromptLookupDrafter, layer_skip_drafter
+from selfdraft.drafters.base import Draft, StepResult
+from selfdraft.generate import GenerationConfig, generate
+from selfdraft.sampling import SamplingConfig, logits_to_probs
+from selfdraft.tree import chain_tree, tree_from_parents
+
+NEW = 12
+BATCH_ARCHS = ("llama", "gemma3", "qwen3")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run 10-50x faster on one thread when the 2 cores are shared (OpenMP spin contention)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def mixed_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Short and long prompts (1..60 tokens), some with repeats so prompt lookup finds matches."""
+    out = []
+    for i in range(count):
+        base = random_prompt(1 + (i * 23 + seed) % 60, seed * 100 + i)
+        out.append(base + base[: i % 6] if i % 2 == 0 else base)
+    return out
+
+
+def plain(model, prompt, n=NEW, eos=()) -> list[int]:
+    return generate(model, prompt, None, GenerationConfig(max_new_tokens=n), eos_token_ids=eos).tokens
+
+
+class ReferenceScripted:
+    """A ScriptedDrafter that finds its prompt's reference continuation at reset (factories take no args)."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, references: list[list[int]], mode: str, depth: int = 4):
+        self.references, self.mode, self.depth = references, mode, depth
+        self.inner: ScriptedDrafter | None = None
+
+    def reset(self, step: StepResult) -> None:
+        seq = step.tokens.tolist()
+        ref = max((r for r in self.references if r[: len(seq)] == seq), key=len)
+        self.inner = ScriptedDrafter(ref, self.mode, VOCAB, depth=self.depth, seed=len(seq))
+
+    def propose(self, tokens, sampling, generator) -> Draft:
+        return self.inner.propose(tokens, sampling, generator)
+
+    def update(self, step: StepResult) -> None:
+        pass
+
+
+def factories(model, references):
+    return {
+        "plain": None,
+        "prompt_lookup": lambda: PromptLookupDrafter(max_candidates=3, min_ngram=1),
+        "oracle": lambda: ReferenceScripted(references, "oracle"),
+        "partial": lambda: ReferenceScripted(references, "partial"),
+        "layer_skip": lambda: layer_skip_drafter(model, layers=2, gamma=3),
+    }
+
+
+def ragged_prefill(model, prompts: list[list[int]], max_len: int = 64) -> RaggedCache:
+    """A ragged cache holding each prompt's KV in its own row, prefilled in one right-padded forward."""
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    tokens = torch.tensor([p + [3] * (width - len(p)) for p in prompts])
+    cache = RaggedCache(4, len(prompts), max_len)
+    ragged_tree_forward(model, cache, tokens, [chain_tree(n - 1) for n in lengths])
+    cache.compact(torch.zeros(len(prompts), dtype=torch.long), torch.arange(width).repeat(len(prompts), 1),
+                  torch.tensor(lengths))
+    return cache
+
+
+def check_rows(results, prompts, refs, label, indices=None):
+    want_order = list(range(len(prompts))) if indices is None else indices
+    assert [r.index for r in results] == want_order, f"{label}: results out of order"
+    for r, prompt, ref in zip(results, prompts, refs):
+        assert r.ok, f"{label} row {r.index}: unexpected error {r.error}"
+        assert r.tokens == ref, f"{label} row {r.index} (prompt len {len(prompt)}): {r.tokens} != {ref}"
+        assert len(r.sources) == len(r.tokens) and r.stats.new_tokens == len(r.tokens)
+
+
+@pytest.mark.parametrize("arch", BATCH_ARCHS)
+def test_ragged_forward_equals_per_row_tree_forward(models, arch):
+    """Guards the per-row mask, positions and cache slots: ragged prefill + tree logits equal batch-1 logits."""
+    model = models[arch]
+    prompts = [random_prompt(n, 40 + n) for n in (3, 17, 9)]
+    trees = [tree_from_parents(p) for p in ([-1, 0, 0, 1, 2, 2], [-1], [-1, 0, 1, 2])]
+    width = max(t.size for t in trees)
+    tokens = torch.randint(3, VOCAB, (len(prompts), width), generator=torch.Generator().manual_seed(1))
+    want = []
+    with torch.no_grad():
+        cache = ragged_prefill(model, prompts)
+        for b, (prompt, tree) in enumerate(zip(prompts, trees)):
+            own = new_cache(model, 64)
+            tree_forward(model, own, torch.tensor([prompt]), chain_tree(len(prompt) - 1))
+            want.append(tree_forward(model, own, tokens[b : b + 1, : tree.size], tree).logits[0])
+        got = ragged_tree_forward(model, cache, tokens, trees).logits
+    for b, tree in enumerate(trees):
+        err = (got[b, : tree.size] - want[b]).abs().max().item()
+        assert err < 1e-4, f"{arch} row {b}: ragged logits differ from batch-1 by {err:.2e}"
+
+
+def test_ragged_compaction_keeps_each_rows_path(models):
+    """Guards per-row compaction: after accepting different paths per row, the next step's logits are exact."""
+    model = models["llama"]
+    prompts = [random_prompt(5, 1), random_prompt(11, 2)]
+    tree = tree_from_parents([-1, 0, 0, 1, 2, 3])
+    tokens = torch.randint(3, VOCAB, (2, tree.size), generator=torch.Generator().manual_seed(3))
+    paths = [torch.tensor([0, 2, 4]), torch.tensor([0, 1, 3, 5])]
+    with torch.no_grad():
+        cache = ragged_prefill(model, prompts)
+        starts = cache.lengths.clone()
+        ragged_tree_forward(model, cache, tokens, [tree, tree])
+        keep = torch.tensor([[0, 2, 4, 0], [0, 1, 3, 5]])
+        cache.compact(starts, keep, torch.tensor([3, 4]))
+        nxt = torch.tensor([[7], [9]])
+        got = ragged_tree_forward(model, cache, nxt, [chain_tree(0)] * 2).logits[:, 0]
+        for b, prompt in enumerate(prompts):
+            seq = prompt + tokens[b, paths[b]].tolist() + [int(nxt[b])]
+            want = model(input_ids=torch.tensor([seq])).logits[0, -1]
+            err = (got[b] - want).abs().max().item()
+            assert err < 1e-4, f"row {b}: logits after compaction differ by {err:.2e}"
+            assert int(cache.lengths[b]) == len(seq), f"row {b}: length {int(cache.lengths[b])} != {len(seq)}"
+
+
+@pytest.mark.parametrize("arch", BATCH_ARCHS)
+def test_rows_equal_plain_greedy(models, arch):
+    """Guards the whole batched path (ragged masks, per-row acceptance/compaction, refill) against drift."""
+    model = models[arch]
+    prompts = mixed_prompts(5, seed=BATCH_ARCHS.index(arch))
+    refs = [plain(model, p) for p in prompts]
+    references = [p + r for p, r in zip(prompts, refs)]
+    taus = {}
+    for name, make in factories(model, references).items():
+        for batch_size in (1, 2, 3):
+            results = generate_batch(model, prompts, make, GenerationConfig(max_new_tokens=NEW), batch_size=batch_size)
+            check_rows(results, prompts, refs, f"{arch} {name} batch {batch_size}")
+            taus.setdefault(name, []).extend(r.stats.tau for r in results)
+    mean = {k: round(sum(v) / len(v), 2) for k, v in taus.items()}
+    assert mean["oracle"] > 2.5 and mean["plain"] == 1.0, f"drafts must be accepted where they are right: {mean}"
+
+
+def test_early_eos_and_max_new_tokens_edges(models):
+    """Guards per-row stopping: an EOS inside an accepted run, and budgets 0/1/2 mixed in one batch."""
+    model = models["llama"]
+    prompts = mixed_prompts(7, seed=5)
+    long_refs = [plain(model, p, n=20) for p in prompts]
+    references = [p + r for p, r in zip(prompts, long_refs)]
+    eos = long_refs[0][3]  # row 0 stops at its 4th token, others wherever this token shows up (or not)
+    refs = [plain(model, p, n=20, eos=[eos]) for p in prompts]
+    assert len(refs[0]) == long_refs[0].index(eos) + 1
+    make = lambda: ReferenceScripted(references, "oracle", depth=6)  # noqa: E731
+    results = generate_batch(model, prompts, make, GenerationConfig(max_new_tokens=20), eos_token_ids=[eos],
+                             batch_size=3)
+    check_rows(results, prompts, refs, "eos")
+    assert results[0].stop_reason == "eos"
+    for n in (0, 1, 2):
+        results = generate_batch(model, prompts, make, GenerationConfig(max_new_tokens=n), batch_size=2)
+        check_rows(results, prompts, [r[:n] for r in long_refs], f"max_new_tokens={n}")
+        assert all(r.stop_reason == "max_new_tokens" for r in results)
+
+
+def test_row_over_context_limit_is_reported(models):
+    """Guards against one bad request killing the batch: its error comes back, the others complete."""
+    model = models["gemma3"]
+    prompts = mixed_prompts(4, seed=2)
+    prompts.insert(1, random_prompt(250, 9))  # 250 + 12 > 256 positions
+    prompts.insert(3, [])
+    results = generate_batch(model, prompts, lambda: PromptLookupDrafter(), GenerationConfig(max_new_tokens=NEW),
+                             batch_size=2)
+    assert results[1].stop_reason == "error" and "exceeds the target's context" in results[1].error
+    assert results[3].stop_reason == "error" and "empty" in results[3].error
+    good = [i for i in range(len(prompts)) if i not in (1, 3)]
+    check_rows([results[i] for i in good], [prompts[i] for i in good],
+               [plain(model, prompts[i]) for i in good], "context", good)
+
+
+def test_stop_strings_per_row(models):
+    """Guards per-row stop strings: a row stops at its own stop string, the others run to their budget."""
+
+    class CharTokenizer:
+        def decode(self, ids):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    model = models["llama"]
+    prompts = mixed_prompts(4, seed=7)
+    tok = CharTokenizer()
+    full = [plain(model, p, n=20) for p in prompts]
+    stop = tok.decode(full[2][6:8])
+    refs = [generate(model, p, None, GenerationConfig(max_new_tokens=20, stop_strings=(stop,)), tokenizer=tok).tokens
+            for p in prompts]
+    results = generate_batch(model, prompts, lambda: PromptLookupDrafter(),
+                             GenerationConfig(max_new_tokens=20, stop_strings=(stop,)), tokenizer=tok, batch_size=3)
+    check_rows(results, prompts, refs, "stop strings")
+    assert results[2].stop_reason == "stop_string"
+
+
+def test_tree_policy_shrinks_trees_and_can_switch_off(models):
+    """Guards the batch-size policy: budgets shrink with rows, and trimmed or disabled drafting stays exact."""
+    assert draft_budget(1, TreePolicy(max_step_tokens=64)) == 63
+    assert draft_budget(8, TreePolicy(max_step_tokens=64)) == 7
+    assert draft_budget(64, TreePolicy(max_step_tokens=64)) == 0
+    assert draft_budget(2, TreePolicy(max_step_tokens=None, max_draft_per_row=5)) == 5
+    assert draft_budget(4, TreePolicy(speculate_up_to=3)) == 0
+    assert draft_budget(3, TreePolicy(max_step_tokens=None)) is None
+    tree = tree_from_parents([-1, 0, 1, 0, 3, 2])
+    small = limit_nodes(Draft(tree, torch.arange(6)), 3)
+    assert small.tokens.tolist() == [0, 1, 2, 3] and small.tree.parents.tolist() == [-1, 0, 1, 0]
+
+    model = models["llama"]
+    prompts = mixed_prompts(4, seed=3)
+    refs = [plain(model, p) for p in prompts]
+    references = [p + r for p, r in zip(prompts, refs)]
+    make = lambda: ReferenceScripted(references, "oracle", depth=5)  # noqa: E731
+    cfg = GenerationConfig(max_new_tokens=NEW)
+    trimmed = generate_batch(model, prompts, make, cfg, batch_size=2,
+                             policy=TreePolicy(max_step_tokens=None, max_draft_per_row=1))
+    check_rows(trimmed, prompts, refs, "trimmed")
+    lengths = [n for r in trimmed for n in r.stats.accept_lengths]
+    assert max(lengths) == 2, f"one draft node per row: accept lengths {lengths}"
+    off = generate_batch(model, prompts, make, cfg, batch_size=2, policy=TreePolicy(speculate_up_to=0))
+    check_rows(off, prompts, refs, "off")
+    assert all(r.stats.tau == 1.0 for r in off), "speculation must be off"
+
+
+class UniformTreeDrafter:
+    """A stochastic, model-free drafter: two root children drawn without replacement from a uniform q,
+    one child under each; q is returned, so the rows exercise the residual rule with siblings."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def reset(self, step: StepResult) -> None:
+        pass
+
+    def propose(self, tokens, sampling, generator) -> Draft:
+        q = torch.full((VOCAB,), 1.0 / VOCAB)
+        first = torch.multinomial(q, 2, replacement=False, generator=generator).tolist()
+        second = torch.multinomial(q, 2, replacement=True, generator=generator).tolist()
+        tree = tree_from_parents([-1, 0, 0, 1, 2])
+        node_q = torch.stack([q, q, q, torch.zeros(VOCAB), torch.zeros(VOCAB)])
+        return Draft(tree, torch.tensor([int(tokens[-1])] + first + second), node_q)
+
+    def update(self, step: StepResult) -> None:
+        pass
+
+
+def test_sampled_rows_follow_target_distribution():
+    """Guards batched sampling against bias: x2 and x3 of ragged batched rows match the exact marginals."""
+    model = tiny_model("llama", seed=3)
+    cfg = SamplingConfig(temperature=1.5, top_k=40)
+    short, long = random_prompt(6, 11), random_prompt(19, 12)
+    want3, want2 = exact_third_token(model, short, cfg)
+    with torch.no_grad():
+        p1 = logits_to_probs(model(input_ids=torch.tensor([long])).logits[0, -1], cfg)
+        p2 = logits_to_probs(model(input_ids=torch.tensor([long + [a] for a in range(VOCAB)])).logits[:, -1], cfg)
+    want2_long = p1 @ p2
+    prompts = [short, long] * 800
+    results = generate_batch(model, prompts, UniformTreeDrafter, GenerationConfig(max_new_tokens=3, sampling=cfg, seed=0),
+                             batch_size=8)
+    accepted = sum(r.stats.accepted for r in results)
+    assert accepted > 50, f"the drafter must get tokens accepted for this test to mean anything ({accepted})"
+    checks = [("short x2", 0, 1, want2), ("short x3", 0, 2, want3), ("long x2", 1, 1, want2_long)]
+    for name, parity, pos, want in checks:
+        counts = torch.bincount(torch.tensor([r.tokens[pos] for r in results if r.index % 2 == parity]),
+                                minlength=VOCAB).float()
+        pval = chi2_pvalue(counts, want)
+        tv = 0.5 * (counts / counts.sum() - want).abs().sum().item()
+        assert pval > 1e-3, f"batched {name} marginal differs from the target's (chi2 p={pval:.2e}, TV={tv:.3f})"
