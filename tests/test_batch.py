@@ -282,3 +282,24 @@ def test_sampled_rows_follow_target_distribution():
         pval = chi2_pvalue(counts, want)
         tv = 0.5 * (counts / counts.sum() - want).abs().sum().item()
         assert pval > 1e-3, f"batched {name} marginal differs from the target's (chi2 p={pval:.2e}, TV={tv:.3f})"
+
+
+def test_bench_batch_runs_every_decoder_and_batch_size(models):
+    """Guards the batch benchmark program: every (decoder, batch size) row, speculation identical to plain."""
+    import runpy
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from selfdraft.target import Target
+
+    bench = SimpleNamespace(**runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "bench_batch.py")))
+    target = Target(model=models["llama"], tokenizer=None, name="tiny-llama")
+    prompts = mixed_prompts(5, seed=9)
+    rows = bench.bench_batch(target, prompts, [1, 2, 4], ["hf", "plain", "prompt_lookup"], max_new_tokens=8)
+    assert [(r["decoder"], r["batch_size"]) for r in rows] == [
+        (d, b) for b in (1, 2, 4) for d in ("plain", "hf", "prompt_lookup")
+    ]
+    for r in rows:
+        assert r["new_tokens"] == 5 * 8 and r["tokens_per_s"] > 0, r
+        assert r["same_as_plain"] == 1.0, f"{r['decoder']} at batch {r['batch_size']} differs from plain: {r}"
+    assert "batch" in bench.format_table(rows) and "speculation" in bench.crossover(rows)
