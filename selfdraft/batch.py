@@ -162,8 +162,10 @@ def generate_batch(
 
     ``make_drafter()`` builds one drafter per slot (drafters keep per-sequence state such as their
     own KV cache; a slot's drafter is reset for each newcomer). None decodes plainly. Rows that
-    cannot run (empty prompt, over the context limit with ``on_context_overflow='error'``) come back
-    with ``stop_reason='error'`` and ``error`` set; the others are unaffected.
+    cannot run (empty prompt, over the context limit with ``on_context_overflow='error'``) or whose
+    drafter raises come back with ``stop_reason='error'`` and ``error`` set (a failed row keeps the
+    tokens it had committed); the others are unaffected. A failure of the batched target forward
+    itself is not per-row and propagates.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -204,6 +206,11 @@ def generate_batch(
         row.result.stats.wall_s = time.perf_counter() - row.started
         row.result.latency_s = time.perf_counter() - t_start
 
+    def fail(row: _Row, err: Exception) -> None:
+        """A row whose drafter raised ends with an error (tokens so far kept); the batch goes on."""
+        row.result.stop_reason, row.result.error = "error", f"drafter failed: {type(err).__name__}: {err}"
+        finish(row)
+
     def prefill(newcomers: list[tuple[int, int, list[int], int]]) -> None:
         """Prefill (slot, index, prompt, budget) newcomers in one forward and copy their KV into their slots."""
         t0 = time.perf_counter()
@@ -231,7 +238,11 @@ def generate_batch(
                 if fwd.hidden_states is not None:
                     hidden = {i: h[b : b + 1, : lengths[b]] for i, h in fwd.hidden_states.items()}
                 t1 = time.perf_counter()
-                row.drafter.reset(StepResult(torch.tensor(row.committed), 0, hidden))
+                try:
+                    row.drafter.reset(StepResult(torch.tensor(row.committed), 0, hidden))
+                except Exception as err:  # one request's drafter must not take the batch down
+                    fail(row, err)
+                    continue
                 row.result.stats.draft_s += time.perf_counter() - t1
             rows[slot] = row
 
@@ -251,21 +262,24 @@ def generate_batch(
                 break
             cache.keep_rows(torch.tensor(live))
             rows = [rows[s] for s in live]
-        active: list[_Row] = rows  # type: ignore[assignment]
+        active: list[_Row] = list(rows)  # type: ignore[arg-type]
         max_draft = draft_budget(len(active), policy) if make_drafter else 0
 
         # 1. draft: each row its own tree, trimmed to the policy's budget and the row's remaining tokens
         drafts: list[Draft] = []
         draft_times: list[float] = []
-        for row in active:
+        for b, row in enumerate(active):
             t0 = time.perf_counter()
             root = row.committed[-1]
-            if row.drafter is None or max_draft == 0:
-                draft = root_only(root)
-            else:
-                draft = row.drafter.propose(torch.tensor(row.committed), cfg.sampling, generator)
-                if int(draft.tokens[0]) != root:
-                    raise RuntimeError(f"drafter returned a tree rooted at {int(draft.tokens[0])}, expected {root}")
+            draft = root_only(root)
+            if row.drafter is not None and max_draft != 0:
+                try:
+                    draft = row.drafter.propose(torch.tensor(row.committed), cfg.sampling, generator)
+                    if int(draft.tokens[0]) != root:
+                        raise RuntimeError(f"drafter returned a tree rooted at {int(draft.tokens[0])}, expected {root}")
+                except Exception as err:  # the row leaves; it verifies a root-only dummy this step
+                    fail(row, err)
+                    rows[b], draft = None, root_only(root)
                 if max_draft is not None:
                     draft = limit_nodes(draft, max_draft)
                 draft = _fit_draft(draft, row.budget - len(row.result.tokens))
@@ -296,6 +310,8 @@ def generate_batch(
         cache.compact(starts, keep, counts)
 
         for b, (row, draft, acc) in enumerate(zip(active, drafts, accs)):
+            if rows[b] is None:  # failed while drafting
+                continue
             accepted = draft.tokens[acc.path[1:]].tolist()
             leaf = len(draft.tree.children()[int(acc.path[-1])]) == 0
             last = "target" if draft.tree.size == 1 else ("bonus" if leaf else "correction")
@@ -310,6 +326,10 @@ def generate_batch(
                     path = acc.path.to(device)
                     hidden = {i: h[b : b + 1, path] for i, h in fwd.hidden_states.items()}
                 t1 = time.perf_counter()
-                row.drafter.update(StepResult(torch.tensor(row.committed), acc.num_accepted, hidden))
+                try:
+                    row.drafter.update(StepResult(torch.tensor(row.committed), acc.num_accepted, hidden))
+                except Exception as err:
+                    fail(row, err)
+                    rows[b] = None
                 row.result.stats.draft_s += time.perf_counter() - t1
     return results

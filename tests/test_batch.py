@@ -191,6 +191,38 @@ def test_row_over_context_limit_is_reported(models):
                [plain(model, prompts[i]) for i in good], "context", good)
 
 
+class FailingDrafter(PromptLookupDrafter):
+    """Raises on its third proposal for sequences starting with ``poison`` (a drafter bug on one request)."""
+
+    def __init__(self, poison: list[int]):
+        super().__init__()
+        self.poison, self.calls = poison, 0
+
+    def reset(self, step: StepResult) -> None:
+        self.calls = 0
+
+    def propose(self, tokens, sampling, generator) -> Draft:
+        self.calls += 1
+        if self.calls == 3 and tokens[: len(self.poison)].tolist() == self.poison:
+            raise IndexError("draft table out of range")
+        return super().propose(tokens, sampling, generator)
+
+
+def test_drafter_failure_fails_only_its_row(models):
+    """Guards against one request's drafter exception losing the other rows (or their exactness)."""
+    model = models["qwen3"]
+    prompts = mixed_prompts(5, seed=4)
+    refs = [plain(model, p) for p in prompts]
+    results = generate_batch(model, prompts, lambda: FailingDrafter(prompts[1]), GenerationConfig(max_new_tokens=NEW),
+                             batch_size=2)
+    bad = results[1]
+    assert bad.stop_reason == "error" and "IndexError: draft table out of range" in bad.error, bad
+    assert bad.tokens == refs[1][: len(bad.tokens)] and len(bad.tokens) < NEW, bad.tokens
+    good = [0, 2, 3, 4]
+    check_rows([results[i] for i in good], [prompts[i] for i in good], [refs[i] for i in good], "drafter failure",
+               good)
+
+
 def test_stop_strings_per_row(models):
     """Guards per-row stop strings: a row stops at its own stop string, the others run to their budget."""
 
