@@ -156,6 +156,49 @@ def test_rows_equal_plain_greedy(models, arch):
     assert mean["oracle"] > 2.5 and mean["plain"] == 1.0, f"drafts must be accepted where they are right: {mean}"
 
 
+class Recording:
+    """Wraps a drafter and records its draft tokens by committed sequence."""
+
+    def __init__(self, inner, log: dict):
+        self.inner, self.log = inner, log
+        self.hidden_layers = inner.hidden_layers
+
+    def reset(self, step: StepResult) -> None:
+        self.inner.reset(step)
+
+    def propose(self, tokens, sampling, generator) -> Draft:
+        draft = self.inner.propose(tokens, sampling, generator)
+        self.log[tuple(tokens.tolist())] = draft.tokens.tolist()
+        return draft
+
+    def update(self, step: StepResult) -> None:
+        self.inner.update(step)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_eagle_rows_draft_as_they_would_alone(models, arch):
+    """Guards per-row target features for heads: wrong rows/positions of hidden states change the drafts."""
+    from test_eagle3 import make_head
+
+    from selfdraft.drafters.eagle import EagleDrafter
+
+    model = models[arch]
+    head = make_head(model, scale=20.0)
+    prompts = mixed_prompts(5, seed=6)
+    cfg = GenerationConfig(max_new_tokens=NEW)
+    alone: dict = {}
+    refs = [generate(model, p, Recording(EagleDrafter(head, depth=3, top_k=3, total_tokens=8), alone), cfg).tokens
+            for p in prompts]
+    batched: dict = {}
+    results = generate_batch(model, prompts, lambda: Recording(EagleDrafter(head, depth=3, top_k=3, total_tokens=8),
+                                                               batched),
+                             cfg, batch_size=3, policy=TreePolicy(max_step_tokens=None))
+    check_rows(results, prompts, refs, f"{arch} eagle")
+    assert len(alone) > 20 and batched.keys() == alone.keys()
+    diff = [k for k in alone if alone[k] != batched[k]]
+    assert not diff, f"{len(diff)} of {len(alone)} drafts differ from the batch-1 drafts"
+
+
 def test_early_eos_and_max_new_tokens_edges(models):
     """Guards per-row stopping: an EOS inside an accepted run, and budgets 0/1/2 mixed in one batch."""
     model = models["llama"]
