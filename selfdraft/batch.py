@@ -94,6 +94,26 @@ def limit_nodes(draft: Draft, max_draft: int) -> Draft:
     return Draft(tree, draft.tokens[keep], q)
 
 
+def prefill_groups(lengths: Sequence[int], max_padding: float = 0.25) -> list[list[int]]:
+    """Split prompts (by index) into prefill forwards whose right padding stays under ``max_padding``.
+
+    Prefill is compute-bound, so padding a short prompt to a long one's width is real work; prompts
+    are taken longest first and a group closes when adding the next would pad more than this share.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is not None:
+            width = lengths[group[0]]
+            real = sum(lengths[j] for j in group) + lengths[i]
+            if 1 - real / (width * (len(group) + 1)) <= max_padding:
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
 @dataclass
 class BatchResult:
     """One request's outcome, in the order the prompts were given."""
@@ -252,7 +272,9 @@ def generate_batch(
             free = [s for s, row in enumerate(rows) if row is None]
             if not free:
                 return
-            prefill([(slot, *queue.popleft()) for slot in free[: len(queue)]])
+            newcomers = [(slot, *queue.popleft()) for slot in free[: len(queue)]]
+            for group in prefill_groups([len(prompt) for _, _, prompt, _ in newcomers]):
+                prefill([newcomers[i] for i in group])
 
     while True:
         admit()

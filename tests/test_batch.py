@@ -9,7 +9,7 @@ from helpers import ScriptedDrafter
 from test_sampling import chi2_pvalue, exact_third_token
 
 from selfdraft.adapter import new_cache, ragged_tree_forward, tree_forward
-from selfdraft.batch import TreePolicy, draft_budget, generate_batch, limit_nodes
+from selfdraft.batch import TreePolicy, draft_budget, generate_batch, limit_nodes, prefill_groups
 from selfdraft.cache import RaggedCache
 from selfdraft.drafters import PromptLookupDrafter, layer_skip_drafter
 from selfdraft.drafters.base import Draft, StepResult
@@ -287,13 +287,15 @@ def test_stop_strings_per_row(models):
 
 
 def test_tree_policy_shrinks_trees_and_can_switch_off(models):
-    """Guards the batch-size policy: budgets shrink with rows, and trimmed or disabled drafting stays exact."""
+    """Guards the batch-size policy (budgets shrink, trimmed/off drafting stays exact) and prefill grouping."""
     assert draft_budget(1, TreePolicy(max_step_tokens=64)) == 63
     assert draft_budget(8, TreePolicy(max_step_tokens=64)) == 7
     assert draft_budget(64, TreePolicy(max_step_tokens=64)) == 0
     assert draft_budget(2, TreePolicy(max_step_tokens=None, max_draft_per_row=5)) == 5
     assert draft_budget(4, TreePolicy(speculate_up_to=3)) == 0
     assert draft_budget(3, TreePolicy(max_step_tokens=None)) is None
+    assert prefill_groups([10, 100, 90, 12, 80]) == [[1, 2, 4], [3, 0]]
+    assert prefill_groups([5, 5, 5]) == [[0, 1, 2]]
     tree = tree_from_parents([-1, 0, 1, 0, 3, 2])
     small = limit_nodes(Draft(tree, torch.arange(6)), 3)
     assert small.tokens.tolist() == [0, 1, 2, 3] and small.tree.parents.tolist() == [-1, 0, 1, 0]
