@@ -1,7 +1,7 @@
 """Batched decoding benchmark: throughput and per-request latency by batch size (table + JSON).
 
-    python scripts/bench_batch.py [key=value ...]
-    e.g. python scripts/bench_batch.py limit=32 "batch_sizes=1 2 4 8 16" "decoders=hf plain prompt_lookup"
+    python scripts/bench_batch.py [config.yaml] [key=value ...]
+    e.g. python scripts/bench_batch.py configs/bench/batch_smollm2_bf16.yaml limit=16 "batch_sizes=1 4"
 
 Decoders: ``hf`` (transformers ``generate``, greedy, static batches with left padding), ``plain``
 (:func:`selfdraft.batch.generate_batch` without a drafter: continuous batching, one token per row per
@@ -165,4 +165,6 @@ def main(cfg: BatchBenchConfig) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(load(BatchBenchConfig, None, sys.argv[1:]))
+    argv = sys.argv[1:]
+    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    main(load(BatchBenchConfig, path, argv))
