@@ -177,6 +177,7 @@ def generate_batch(
     tokenizer: object | None = None,
     batch_size: int = 8,
     policy: TreePolicy = TreePolicy(),
+    on_tokens: Callable[[int, list[int], list[str]], None] | None = None,
 ) -> list[BatchResult]:
     """Generate for every prompt with continuous batching; returns one result per prompt, in order.
 
@@ -185,7 +186,8 @@ def generate_batch(
     cannot run (empty prompt, over the context limit with ``on_context_overflow='error'``) or whose
     drafter raises come back with ``stop_reason='error'`` and ``error`` set (a failed row keeps the
     tokens it had committed); the others are unaffected. A failure of the batched target forward
-    itself is not per-row and propagates.
+    itself is not per-row and propagates. ``on_tokens(index, tokens, sources)`` is called with each
+    request's newly committed tokens as they come (for streaming; ``index`` is the prompt's position).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -226,6 +228,14 @@ def generate_batch(
         row.result.stats.wall_s = time.perf_counter() - row.started
         row.result.latency_s = time.perf_counter() - t_start
 
+    def emit(row: _Row, new: list[int], sources: list[str]) -> bool:
+        """Commit a row's new tokens (up to its stop condition), stream them; True when the row is done."""
+        before = len(row.result.tokens)
+        done = row.emit(new, sources, eos, cfg, tokenizer)
+        if on_tokens is not None:
+            on_tokens(row.result.index, row.result.tokens[before:], row.result.sources[before:])
+        return done
+
     def fail(row: _Row, err: Exception) -> None:
         """A row whose drafter raised ends with an error (tokens so far kept); the batch goes on."""
         row.result.stop_reason, row.result.error = "error", f"drafter failed: {type(err).__name__}: {err}"
@@ -250,7 +260,7 @@ def generate_batch(
             row.started = t0
             row.result.stats.prefill_s = elapsed
             first = int(choose(fwd.logits[b, int((last == lengths[b] - 1).nonzero())], cfg.sampling, generator))
-            if row.emit([first], ["target"], eos, cfg, tokenizer):
+            if emit(row, [first], ["target"]):
                 finish(row)
                 continue
             if row.drafter is not None:
@@ -338,7 +348,7 @@ def generate_batch(
             leaf = len(draft.tree.children()[int(acc.path[-1])]) == 0
             last = "target" if draft.tree.size == 1 else ("bonus" if leaf else "correction")
             row.result.stats.record_step(draft.tree.max_depth, acc.num_accepted, draft_times[b], verify_s)
-            done = row.emit(accepted + [acc.next_token], ["draft"] * len(accepted) + [last], eos, cfg, tokenizer)
+            done = emit(row, accepted + [acc.next_token], ["draft"] * len(accepted) + [last])
             if done:
                 finish(row)
                 rows[b] = None

@@ -200,7 +200,7 @@ def test_eagle_rows_draft_as_they_would_alone(models, arch):
 
 
 def test_early_eos_and_max_new_tokens_edges(models):
-    """Guards per-row stopping: an EOS inside an accepted run, and budgets 0/1/2 mixed in one batch."""
+    """Guards per-row stopping (EOS inside an accepted run, budgets 0/1/2) and streaming past a stop."""
     model = models["llama"]
     prompts = mixed_prompts(7, seed=5)
     long_refs = [plain(model, p, n=20) for p in prompts]
@@ -209,9 +209,11 @@ def test_early_eos_and_max_new_tokens_edges(models):
     refs = [plain(model, p, n=20, eos=[eos]) for p in prompts]
     assert len(refs[0]) == long_refs[0].index(eos) + 1
     make = lambda: ReferenceScripted(references, "oracle", depth=6)  # noqa: E731
+    streamed: dict[int, list[int]] = {}
     results = generate_batch(model, prompts, make, GenerationConfig(max_new_tokens=20), eos_token_ids=[eos],
-                             batch_size=3)
+                             batch_size=3, on_tokens=lambda i, toks, _: streamed.setdefault(i, []).extend(toks))
     check_rows(results, prompts, refs, "eos")
+    assert [streamed[i] for i in range(len(prompts))] == refs, "streamed tokens must be exactly the results"
     assert results[0].stop_reason == "eos"
     for n in (0, 1, 2):
         results = generate_batch(model, prompts, make, GenerationConfig(max_new_tokens=n), batch_size=2)
