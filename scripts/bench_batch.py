@@ -40,6 +40,7 @@ class BatchBenchConfig:
     decoders: tuple = opt(("hf", "plain", "prompt_lookup"), "space-separated decoders: hf, plain, or NAME[:k=v,...]")
     max_step_tokens: int = opt(64, "tree policy: verified nodes per step over all rows (0 = no cap)")
     speculate_up_to: int = opt(0, "tree policy: decode plainly above this batch size (0 = always speculate)")
+    auto_off: bool = opt(False, "tree policy: measure online and decode plainly where that is faster")
     threads: int = opt(0, "torch threads (0 = number of cores)")
     out: str = opt("outputs/bench_batch.json", "where to write the JSON results")
 
@@ -152,7 +153,8 @@ def main(cfg: BatchBenchConfig) -> list[dict]:
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     target = load_target(cfg.target, dtype=cfg.dtype)
     prompts = [target.encode_chat(p) for p in load_prompts(cfg.prompts, cfg.limit or None)]
-    policy = TreePolicy(max_step_tokens=cfg.max_step_tokens or None, speculate_up_to=cfg.speculate_up_to or None)
+    policy = TreePolicy(max_step_tokens=cfg.max_step_tokens or None, speculate_up_to=cfg.speculate_up_to or None,
+                        auto_off=cfg.auto_off)
     sizes = [int(b) for b in cfg.batch_sizes]
     rows = bench_batch(target, prompts, sizes, list(cfg.decoders), cfg.max_new_tokens, policy)
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)

@@ -60,8 +60,15 @@ class TreePolicy:
     """Cap on draft nodes per row at any batch size. None: whatever the drafter proposes."""
     speculate_up_to: int | None = None
     """Batch sizes above this decode plainly (no drafting at all). None: always speculate."""
+    auto_off: bool = False
+    """Measure online and decode plainly at batch sizes where plain steps commit tokens faster than
+    speculative ones (see :class:`SpeculationGate`); applies on top of the limits above."""
+    probe_every: int = 16
+    """With auto_off: every this many steps at a batch size, run the losing mode once to re-measure."""
 
     def __post_init__(self) -> None:
+        if self.probe_every < 2:
+            raise ValueError(f"TreePolicy.probe_every must be >= 2, got {self.probe_every}")
         for name in ("max_step_tokens", "max_draft_per_row", "speculate_up_to"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -78,6 +85,42 @@ def draft_budget(rows: int, policy: TreePolicy) -> int | None:
     if policy.max_draft_per_row is not None:
         budget = policy.max_draft_per_row if budget is None else min(budget, policy.max_draft_per_row)
     return budget
+
+
+class SpeculationGate:
+    """Online on/off switch for speculation, per batch size (the number of rows in a step).
+
+    For each batch size it keeps exponential moving averages of committed tokens per second of step
+    time (draft + verify + accept) for speculative and for plain steps. The first steps at a size
+    measure both modes; then the faster one runs, and every ``probe_every``-th step runs the other
+    once so that a change (longer contexts, a drafter warming up) is seen. Greedy output does not
+    depend on the gate; only speed does.
+    """
+
+    def __init__(self, probe_every: int = 16, decay: float = 0.8):
+        self.probe_every, self.decay = probe_every, decay
+        self.rate: dict[tuple[int, bool], float] = {}
+        self.steps: dict[int, int] = {}
+
+    def speculate(self, rows: int) -> bool:
+        """Whether the next step with ``rows`` rows should draft."""
+        n = self.steps.get(rows, 0)
+        self.steps[rows] = n + 1
+        spec, plain = self.rate.get((rows, True)), self.rate.get((rows, False))
+        if spec is None or plain is None:
+            return spec is None
+        best = spec >= plain
+        return best if (n + 1) % self.probe_every else not best
+
+    def record(self, rows: int, speculative: bool, tokens: int, seconds: float) -> None:
+        """One step's outcome: ``tokens`` committed over all rows in ``seconds``."""
+        rate = tokens / max(seconds, 1e-9)
+        old = self.rate.get((rows, speculative))
+        self.rate[(rows, speculative)] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+
+    def speeds(self) -> dict[int, tuple[float | None, float | None]]:
+        """Batch size -> (speculative, plain) tokens per second measured so far."""
+        return {r: (self.rate.get((r, True)), self.rate.get((r, False))) for r in sorted(self.steps)}
 
 
 def limit_nodes(draft: Draft, max_draft: int) -> Draft:
@@ -222,6 +265,7 @@ def generate_batch(
     drafters: list[Drafter | None] = [make_drafter() if make_drafter else None for _ in range(slots)]
     hidden_layers = tuple(getattr(drafters[0], "hidden_layers", ()))
     rows: list[_Row | None] = [None] * slots
+    gate = SpeculationGate(policy.probe_every) if policy.auto_off else None
 
     def finish(row: _Row) -> None:
         row.result.stats.new_tokens = len(row.result.tokens)
@@ -296,6 +340,10 @@ def generate_batch(
             rows = [rows[s] for s in live]
         active: list[_Row] = list(rows)  # type: ignore[arg-type]
         max_draft = draft_budget(len(active), policy) if make_drafter else 0
+        speculative = max_draft != 0 and (gate is None or gate.speculate(len(active)))
+        if not speculative:
+            max_draft = 0
+        t_step = time.perf_counter()
 
         # 1. draft: each row its own tree, trimmed to the policy's budget and the row's remaining tokens
         drafts: list[Draft] = []
@@ -331,6 +379,10 @@ def generate_batch(
 
         # 3. accept, per row
         accs = [_accept(d, fwd.logits[b, : d.tree.size], cfg, generator) for b, d in enumerate(drafts)]
+
+        if gate is not None and make_drafter is not None:
+            step_s = time.perf_counter() - t_step
+            gate.record(len(active), speculative, sum(1 + acc.num_accepted for acc in accs), step_s)
 
         # 4. update cache: each row keeps its root and accepted nodes right after its own prefix
         kept = max(acc.path.numel() for acc in accs)

@@ -9,7 +9,14 @@ from helpers import ScriptedDrafter
 from test_sampling import chi2_pvalue, exact_third_token
 
 from selfdraft.adapter import new_cache, ragged_tree_forward, tree_forward
-from selfdraft.batch import TreePolicy, draft_budget, generate_batch, limit_nodes, prefill_groups
+from selfdraft.batch import (
+    SpeculationGate,
+    TreePolicy,
+    draft_budget,
+    generate_batch,
+    limit_nodes,
+    prefill_groups,
+)
 from selfdraft.cache import RaggedCache
 from selfdraft.drafters import PromptLookupDrafter, layer_skip_drafter
 from selfdraft.drafters.base import Draft, StepResult
@@ -337,6 +344,31 @@ class UniformTreeDrafter:
 
     def update(self, step: StepResult) -> None:
         pass
+
+
+def test_speculation_gate_picks_the_faster_mode_and_probes():
+    """Guards the auto switch-off: it must measure both modes, run the faster one, and re-probe the other."""
+    gate = SpeculationGate(probe_every=4)
+    assert gate.speculate(2) is True  # nothing measured: try speculation first
+    gate.record(2, True, tokens=10, seconds=1.0)
+    assert gate.speculate(2) is False  # then measure plain steps
+    gate.record(2, False, tokens=20, seconds=1.0)
+    decisions = [gate.speculate(2) for _ in range(6)]
+    assert decisions == [False, True, False, False, False, True], f"plain is faster, probe every 4th: {decisions}"
+    gate.record(2, True, tokens=200, seconds=1.0)  # speculation got much faster: it takes over
+    assert gate.speculate(2) is True
+    assert gate.speculate(5) is True and gate.speeds()[2][1] == 20.0
+
+
+def test_auto_off_policy_stays_exact(models):
+    """Guards the auto switch-off path: steps that skip drafting keep rows equal to plain greedy."""
+    model = models["gemma3"]
+    prompts = mixed_prompts(6, seed=8)
+    refs = [plain(model, p) for p in prompts]
+    results = generate_batch(model, prompts, lambda: layer_skip_drafter(model, layers=2, gamma=3),
+                             GenerationConfig(max_new_tokens=NEW), batch_size=3,
+                             policy=TreePolicy(auto_off=True, probe_every=3))
+    check_rows(results, prompts, refs, "auto_off")
 
 
 def test_sampled_rows_follow_target_distribution():
