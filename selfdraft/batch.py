@@ -6,8 +6,14 @@ proposes its own tree (trimmed by a :class:`TreePolicy` budget that shrinks as t
 see only themselves; 3. each row runs its own acceptance rule (greedy-exact, lossless tree rejection
 sampling, or typical) and so accepts its own number of tokens; 4. each row's KV cache is compacted
 to its accepted path. A row ends on its own EOS / stop string / max_new_tokens and its slot is
-refilled from the queue (newcomers admitted together share one prefill forward, whose KV is then
-copied into their slots).
+refilled from the queue (newcomers admitted together share prefill forwards, grouped so padding
+stays small, whose KV is then copied into their slots).
+
+Tree size versus batch size: at batch 1 the target forward is memory-bound and a wide tree is
+nearly free; with many rows it turns compute-bound and every verified node costs. :func:`draft_budget`
+caps the nodes verified per step over all rows (and can switch drafting off above a batch size);
+with ``TreePolicy.auto_off`` a :class:`SpeculationGate` measures speculative and plain steps per
+batch size online and runs whichever commits tokens faster.
 
 Ragged lengths: a per-row length vector, not left padding. The :class:`~selfdraft.cache.RaggedCache`
 keeps row b's committed KV at slots ``0 .. lengths[b]``; a step writes row b's tree right after it
