@@ -41,7 +41,7 @@ from torch import nn
 from selfdraft.adapter import num_layers, ragged_tree_forward
 from selfdraft.cache import RaggedCache
 from selfdraft.drafters.base import Draft, Drafter, StepResult, root_only
-from selfdraft.generate import CACHE_SLACK, GenerationConfig, _accept, _fit_budget, _fit_draft
+from selfdraft.generate import CACHE_SLACK, GenerationConfig, accept_draft, fit_budget, fit_draft
 from selfdraft.sampling import choose
 from selfdraft.stats import GenerationStats
 from selfdraft.tree import chain_tree, select_nodes
@@ -255,7 +255,7 @@ def generate_batch(
     for i, prompt in enumerate(prompts):
         prompt = [int(t) for t in prompt]
         try:
-            budget = _fit_budget(len(prompt), cfg, max_pos)
+            budget = fit_budget(len(prompt), cfg, max_pos)
         except ValueError as err:  # ContextLengthError included
             results[i].stop_reason, results[i].error = "error", str(err)
             continue
@@ -368,7 +368,7 @@ def generate_batch(
                     rows[b], draft = None, root_only(root)
                 if max_draft is not None:
                     draft = limit_nodes(draft, max_draft)
-                draft = _fit_draft(draft, row.budget - len(row.result.tokens))
+                draft = fit_draft(draft, row.budget - len(row.result.tokens))
             drafts.append(draft)
             draft_times.append(time.perf_counter() - t0)
 
@@ -384,7 +384,7 @@ def generate_batch(
         verify_s = time.perf_counter() - t0
 
         # 3. accept, per row
-        accs = [_accept(d, fwd.logits[b, : d.tree.size], cfg, generator) for b, d in enumerate(drafts)]
+        accs = [accept_draft(d, fwd.logits[b, : d.tree.size], cfg, generator) for b, d in enumerate(drafts)]
 
         if gate is not None and make_drafter is not None:
             step_s = time.perf_counter() - t_step

@@ -74,7 +74,8 @@ class GenerationOutput:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
-def _fit_budget(prompt_len: int, cfg: GenerationConfig, max_positions: int) -> int:
+def fit_budget(prompt_len: int, cfg: GenerationConfig, max_positions: int) -> int:
+    """New tokens allowed for a prompt: max_new_tokens, or what fits (truncate), or ContextLengthError."""
     if prompt_len == 0:
         raise ValueError("the prompt is empty: give at least one token")
     room = max_positions - prompt_len
@@ -89,7 +90,7 @@ def _fit_budget(prompt_len: int, cfg: GenerationConfig, max_positions: int) -> i
     )
 
 
-def _fit_draft(draft: Draft, remaining: int) -> Draft:
+def fit_draft(draft: Draft, remaining: int) -> Draft:
     """Trim a draft so its accepted tokens plus the target's token cannot overshoot the budget."""
     tree, keep = truncate_depth(draft.tree, max(remaining - 1, 0))
     if tree.size == draft.tree.size:
@@ -98,7 +99,7 @@ def _fit_draft(draft: Draft, remaining: int) -> Draft:
     return Draft(tree, draft.tokens[keep], q)
 
 
-def _accept(
+def accept_draft(
     draft: Draft, logits: Tensor, cfg: GenerationConfig, generator: torch.Generator | None
 ) -> Acceptance:
     """Apply the configured rule; the small (n, V) distributions move to the CPU, where the tree lives."""
@@ -132,7 +133,7 @@ def generate(
     prompt_ids = prompt_ids.flatten()
     device = next(model.parameters()).device
     max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 20))
-    budget = _fit_budget(prompt_ids.numel(), cfg, max_pos)
+    budget = fit_budget(prompt_ids.numel(), cfg, max_pos)
     eos = frozenset(int(e) for e in eos_token_ids)
     generator = None
     if not cfg.sampling.greedy or cfg.acceptance == "typical":
@@ -192,13 +193,13 @@ def generate(
             draft = drafter.propose(torch.tensor(committed), cfg.sampling, generator)
             if int(draft.tokens[0]) != root:
                 raise RuntimeError(f"drafter returned a tree rooted at {int(draft.tokens[0])}, expected {root}")
-            draft = _fit_draft(draft, budget - len(out.tokens))
+            draft = fit_draft(draft, budget - len(out.tokens))
         t1 = time.perf_counter()
         # 2. verify
         fwd = tree_forward(model, cache, draft.tokens[None].to(device), draft.tree, hidden_layers)
         t2 = time.perf_counter()
         # 3. accept
-        acc = _accept(draft, fwd.logits[0], cfg, generator)
+        acc = accept_draft(draft, fwd.logits[0], cfg, generator)
         # 4. update cache: keep the root and the accepted nodes, in order
         cache.compact(prefix, acc.path.to(device))
         accepted = draft.tokens[acc.path[1:]].tolist()
