@@ -240,6 +240,18 @@ def test_round_trip_is_bit_identical_and_drafts_the_same(fmt, head, target, head
     assert_round_trip(target, head_dirs[head], fmt, tmp_path, [random_prompt(6, 0), random_prompt(9, 1)])
 
 
+@pytest.mark.parametrize("fmt,name", [("eagle3", "eagle3"), ("eagle1-sglang", "eagle1-no-bias"), ("medusa", "medusa-shared")])
+def test_bf16_heads_export_as_bf16_and_come_back_exactly(fmt, name, target, tmp_path):
+    """Guards dtype handling: a bf16 head exports bf16 tensors (torch_dtype bfloat16) and imports without upcasting."""
+    kind, cfg, head = build_head(name, target)
+    src = save(tmp_path / "head", kind, cfg, head.to(torch.bfloat16), target, "tiny-llama-8")
+    out = export_head(src, fmt, tmp_path / "engine", target)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    weights = load_file(str(next(p for p in out.iterdir() if p.suffix == ".safetensors")))
+    assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.bfloat16}
+    round_trip(target, src, fmt, tmp_path)
+
+
 @pytest.mark.parametrize("fmt,arch", [("medusa", "gemma3"), ("medusa-vllm", "qwen2"), ("eagle1", "qwen3")])
 def test_round_trip_on_non_llama_targets(fmt, arch, tmp_path):
     """Guards heads trained on Qwen/Gemma targets: exported in the Llama-style layout, restored exactly."""
@@ -370,6 +382,19 @@ def test_push_to_hub_without_token_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
     with pytest.raises(ExportError, match="no Hugging Face token"):
         push_to_hub(tmp_path, "someone/head")
+
+
+def test_run_export_and_import_load_the_named_target(tiny_target_dir, tmp_path):
+    """Guards the entry points the CLI calls: the target is loaded by name and the round trip is exact."""
+    from selfdraft.export import ImportConfig, run_export, run_import
+
+    model = tiny_model("llama")
+    kind, cfg, head = build_head("medusa-shared", model)
+    src = save(tmp_path / "head", kind, cfg, head, model, str(tiny_target_dir))
+    out = run_export(ExportConfig(head=str(src), format="medusa", out=str(tmp_path / "engine"), target=str(tiny_target_dir)))
+    back = run_import(ImportConfig(src=str(out), out=str(tmp_path / "own"), target=str(tiny_target_dir)))
+    (m1, t1), (m2, t2) = read_head(src), read_head(back)
+    assert m1 == m2 and all(torch.equal(t1[k], t2[k]) for k in t1)
 
 
 def test_export_config_is_typed():
