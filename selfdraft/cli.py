@@ -96,6 +96,8 @@ class Command:
     help: str
     flags: tuple[str, ...] = ("quiet",)
     """Names in OUTPUT_FLAGS the subcommand accepts."""
+    positional: str = ""
+    """A config field that may also be given as the first positional argument (``export HEAD_DIR``)."""
 
 
 # --- generate / chat -----------------------------------------------------------------------------
@@ -254,6 +256,20 @@ def run_bench(cfg: BenchConfig, out: Output) -> None:
     bench_main(cfg, quiet=out.quiet, as_json=out.json)
 
 
+def run_export(cfg, out: Output) -> None:
+    from selfdraft.export import run_export as export
+
+    path = export(cfg)
+    print(json.dumps({"exported": str(path), "format": cfg.format}) if out.json else f"exported {cfg.head} as {cfg.format} to {path}")
+
+
+def run_import(cfg, out: Output) -> None:
+    from selfdraft.export import run_import as import_
+
+    path = import_(cfg)
+    print(json.dumps({"imported": str(path)}) if out.json else f"imported {cfg.src} to {path}")
+
+
 def run_tune(cfg, out: Output) -> None:
     """Measure this machine and the head, save the best tree budget next to the head."""
     from selfdraft.progress import quiet_libraries
@@ -319,6 +335,7 @@ def _train_schema():
 def commands() -> dict[str, Command]:
     """Subcommand name -> Command. Adding a subcommand is one entry here plus its config and handler."""
     from selfdraft.benchmark import BenchConfig
+    from selfdraft.export import ExportConfig, ImportConfig
     from selfdraft.train_config import DistillConfig, TrainConfig
     from selfdraft.tune import TuneConfig
 
@@ -331,6 +348,10 @@ def commands() -> dict[str, Command]:
                          ("quiet", "json")),
         "tune": Command(TuneConfig, run_tune, "pick the draft tree budget that is fastest on this machine, save it with the head",
                         ("quiet", "json")),
+        "export": Command(ExportConfig, run_export, "write a head in a serving engine's layout (vLLM, SGLang, EAGLE, Medusa, TGI)",
+                          ("quiet", "json"), positional="head"),
+        "import": Command(ImportConfig, run_import, "read a head in an engine layout (exported or released) into this project's format",
+                          ("quiet", "json"), positional="src"),
         "train": Command(_train_schema(), lambda cfg, out: _run_program("train", cfg, TrainConfig),
                          "train a draft head on a frozen target (train/train.py; --config configs/train/*.yaml)", ()),
         "features": Command(TrainConfig, lambda cfg, out: _run_program("dump_features", cfg, TrainConfig),
@@ -348,6 +369,9 @@ def build_parser(cmds: dict[str, Command] | None = None) -> argparse.ArgumentPar
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
         p.add_argument("--config", help=f"YAML file of {name} options (flags override it)")
         add_arguments(p, cmd.config)
+        if cmd.positional:
+            p.add_argument(f"pos_{cmd.positional}", nargs="?", metavar=cmd.positional.upper(),
+                           help=f"same as --{cmd.positional.replace('_', '-')}")
         for flag in cmd.flags:
             names, kwargs = OUTPUT_FLAGS[flag]
             p.add_argument(*names, dest=f"out_{flag}", **kwargs)
@@ -367,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(cmds).parse_args(argv)
     cmd = cmds[args.command]
     out = Output(**{f: getattr(args, f"out_{f}") for f in cmd.flags})
+    if cmd.positional and getattr(args, f"pos_{cmd.positional}", None):
+        setattr(args, cmd.positional, getattr(args, f"pos_{cmd.positional}"))
     try:
         cmd.run(from_args(cmd.config, args, args.config), out)
     except user_errors() as err:

@@ -1,4 +1,4 @@
-"""The training-side subcommands (train, features, distill, tune) through the real entry point."""
+"""The head-side subcommands (train, distill, tune, export, import) through the real entry point."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def data_file(tmp_path_factory):
 def test_train_then_tune_then_generate(tiny_target_dir, data_file, tmp_path):
     """Guards the command chain a user runs: train a head, tune its tree, generate with the tuned tree."""
     out = tmp_path / "run"
-    proc = run("train", "--target", str(tiny_target_dir), "--data", str(data_file), "--head", "eagle3",
+    proc = run("train", "--target", str(tiny_target_dir), "--data", str(data_file), "--head", "eagle1",
                "--max-samples", "20", "--eval-samples", "4", "--max-len", "48", "--max-steps", "4", "--log-every", "2",
                "--eval-every", "0", "--save-every", "0", "--report-to", "none", "--draft-vocab-size", "48",
                "--ttt-steps", "2", "--eval-tau-prompts", "1", "--eval-tau-tokens", "8", "--out-dir", str(out))
@@ -44,7 +44,18 @@ def test_train_then_tune_then_generate(tiny_target_dir, data_file, tmp_path):
                "--max-new-tokens", "6", "--drafter", f"head:path={head}", "--json", "--quiet")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "tuned for this machine" in proc.stderr
-    json.loads(proc.stdout)  # nothing but the JSON object on stdout
+    first = json.loads(proc.stdout)  # nothing but the JSON object on stdout
+    # export to SGLang's EAGLE layout (positional head folder), import back, same generation
+    proc = run("export", str(head), "--format", "eagle1-sglang", "--out", str(tmp_path / "vllm"), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
+    proc = run("import", str(tmp_path / "vllm"), "--out", str(tmp_path / "back"), "--target", str(tiny_target_dir))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run("generate", "--target", str(tiny_target_dir), "--dtype", "float32", "--prompt", "say abc",
+               "--max-new-tokens", "6", "--drafter", f"head:path={tmp_path / 'back'},depth=2,top_k=2,total_tokens=4",
+               "--json", "--quiet")
+    again = json.loads(proc.stdout)
+    assert again["text"] == first["text"], (again["text"], first["text"])
 
 
 def test_training_commands_reject_bad_input(tiny_target_dir, data_file, tmp_path):
@@ -57,6 +68,9 @@ def test_training_commands_reject_bad_input(tiny_target_dir, data_file, tmp_path
         (("train", "--target", str(tiny_target_dir), "--data", str(data_file), "--head", "nohead",
           "--report-to", "none", "--out-dir", str(tmp_path / "x")), "unknown head"),
         (("distill", "--target", str(tiny_target_dir), "--data", str(data_file), "--turns", "some"), "turns must be"),
+        (("export", str(tmp_path / "nohead"), "--format", "eagle3", "--out", str(tmp_path / "o")), "nohead"),
+        (("export", str(tmp_path / "nohead"), "--format", "nosuch", "--out", str(tmp_path / "o")), "nosuch"),
+        (("import", str(tmp_path / "nohead"), "--out", str(tmp_path / "o"), "--target", str(tiny_target_dir)), "nohead"),
     ]
     for args, needle in cases:
         proc = run(*args)
