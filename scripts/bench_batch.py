@@ -24,7 +24,7 @@ import torch
 from selfdraft.batch import TreePolicy, generate_batch
 from selfdraft.benchmark import load_prompts, parse_decoder
 from selfdraft.config import load, opt
-from selfdraft.drafters import build_drafter
+from selfdraft.drafters import drafter_factory
 from selfdraft.generate import GenerationConfig
 from selfdraft.target import Target
 
@@ -80,7 +80,8 @@ def run_one(
     make = None
     if decoder != "plain":
         name, options = parse_decoder(decoder)
-        pool = [build_drafter(name, target.model, **options) for _ in range(min(batch_size, len(prompts)))]
+        factory = drafter_factory(name, target.model, **options)  # a head folder is read once
+        pool = [factory() for _ in range(min(batch_size, len(prompts)))]
         make = pool.pop  # drafters are built outside the timed region
     t0 = time.perf_counter()
     results = generate_batch(target.model, prompts, make, cfg, target.eos_token_ids, target.tokenizer, batch_size,

@@ -49,6 +49,10 @@ class DecodeConfig:
 @dataclass(frozen=True)
 class GenerateConfig(DecodeConfig):
     prompt: str = opt("Write a haiku about speculative decoding.", "user prompt (rendered with the chat template)")
+    prompts: str = opt("", "batch mode: 'mtbench' or a JSONL file of prompts, decoded together (replaces --prompt)")
+    limit: int = opt(0, "batch mode: first N prompts (0 = all)")
+    batch_size: int = opt(8, "batch mode: sequences decoded at once (continuous batching refills finished slots)")
+    max_step_tokens: int = opt(64, "batch mode: tree nodes verified per step over all rows (trees shrink as the batch grows)")
 
 
 @dataclass(frozen=True)
@@ -170,9 +174,53 @@ def _stats_line(result: GenerationOutput) -> str:
     )
 
 
+def run_generate_batch(cfg: GenerateConfig, out: Output) -> None:
+    """Many prompts decoded together; one result per prompt in order, failed rows reported, not fatal to the rest."""
+    from selfdraft.batch import TreePolicy, generate_batch
+    from selfdraft.benchmark import load_prompts, parse_decoder
+    from selfdraft.drafters import drafter_factory
+
+    if cfg.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {cfg.batch_size}")
+    texts = load_prompts(cfg.prompts, cfg.limit or None)
+    target, _, gen_cfg = _load(dataclasses.replace(cfg, drafter="none"), out)
+    factory = None
+    if cfg.drafter != "none":
+        name, options = parse_decoder(cfg.drafter)
+        factory = drafter_factory(name, target.model, **options)
+    t0 = time.perf_counter()
+    results = generate_batch(target.model, [target.encode_chat(t) for t in texts], factory, gen_cfg,
+                             target.eos_token_ids, target.tokenizer, cfg.batch_size,
+                             TreePolicy(max_step_tokens=cfg.max_step_tokens))
+    wall = time.perf_counter() - t0
+    failed = [(i, r) for i, r in enumerate(results) if not r.ok]
+    for i, (prompt, res) in enumerate(zip(texts, results)):
+        text = target.tokenizer.decode(res.tokens, skip_special_tokens=True) if res.ok else ""
+        if out.json:
+            print(json.dumps({"index": i, "prompt": prompt, "text": text, "error": res.error,
+                              "stop_reason": res.stop_reason, "tau": res.stats.tau if res.ok else None,
+                              "latency_s": res.latency_s}))
+        elif res.ok:
+            print(f"=== {i}: {prompt[:60]!r}\n{text}")
+    new = sum(len(r.tokens) for r in results)
+    if not out.quiet:
+        print(f"[{len(texts)} prompts, batch {cfg.batch_size}: {new} tokens in {wall:.1f}s = {new / wall:.1f} tok/s]",
+              file=sys.stderr)
+    if failed:
+        for i, res in failed:
+            print(f"selfdraft: prompt {i} failed: {res.error}", file=sys.stderr)
+        raise ValueError(f"{len(failed)} of {len(texts)} prompts failed (the others are printed above)")
+
+
 def run_generate(cfg: GenerateConfig, out: Output) -> None:
-    """One prompt -> one streamed reply; optional colours, HTML page and JSON."""
+    """One prompt -> one streamed reply; optional colours, HTML page and JSON. With --prompts: batch mode."""
     from selfdraft.show import ansi_legend, html_page, summary, write_page
+
+    if cfg.prompts:
+        if out.show_draft or out.html:
+            raise ValueError("--show-draft and --html show one generation; drop them with --prompts")
+        run_generate_batch(cfg, out)
+        return
 
     target, drafter, gen_cfg = _load(cfg, out)
     ids = target.encode_chat(cfg.prompt)
@@ -303,9 +351,15 @@ def _program(name: str):
     return module, path
 
 
-def _run_program(name: str, cfg, schema: type) -> None:
+def _run_program(name: str, cfg, schema: type, out: Output) -> None:
     """In-process ``main(cfg)``, or ``accelerate launch`` with the options as key=value overrides."""
     import subprocess
+
+    if out.quiet:  # tqdm reads TQDM_DISABLE (also in launched processes); HF's own bars and notes too
+        from selfdraft.progress import quiet_libraries
+
+        os.environ["TQDM_DISABLE"] = "1"
+        quiet_libraries()
 
     fields = {f.name for f in dataclasses.fields(schema)}
     values = {k: v for k, v in dataclasses.asdict(cfg).items() if k in fields}
@@ -352,12 +406,12 @@ def commands() -> dict[str, Command]:
                           ("quiet", "json"), positional="head"),
         "import": Command(ImportConfig, run_import, "read a head in an engine layout (exported or released) into this project's format",
                           ("quiet", "json"), positional="src"),
-        "train": Command(_train_schema(), lambda cfg, out: _run_program("train", cfg, TrainConfig),
-                         "train a draft head on a frozen target (train/train.py; --config configs/train/*.yaml)", ()),
-        "features": Command(TrainConfig, lambda cfg, out: _run_program("dump_features", cfg, TrainConfig),
-                            "write a training config's target features to disk (train/dump_features.py)", ()),
-        "distill": Command(DistillConfig, lambda cfg, out: _run_program("distill", cfg, DistillConfig),
-                           "regenerate a conversation set's replies with the target (train/distill.py)", ()),
+        "train": Command(_train_schema(), lambda cfg, out: _run_program("train", cfg, TrainConfig, out),
+                         "train a draft head on a frozen target (train/train.py; --config configs/train/*.yaml)", ("quiet",)),
+        "features": Command(TrainConfig, lambda cfg, out: _run_program("dump_features", cfg, TrainConfig, out),
+                            "write a training config's target features to disk (train/dump_features.py)", ("quiet",)),
+        "distill": Command(DistillConfig, lambda cfg, out: _run_program("distill", cfg, DistillConfig, out),
+                           "regenerate a conversation set's replies with the target (train/distill.py)", ("quiet",)),
     }
 
 

@@ -253,3 +253,20 @@ def test_head_for_another_target_is_refused(tiny_target_dir, tmp_path):
     path = save(tmp_path / "head", "medusa", cfg, MedusaHeads(cfg, other.lm_head), other, "other")
     proc = run("generate", "--target", str(tiny_target_dir), "--dtype", "float32", "--drafter", f"head:path={path}")
     assert_clean_error(proc, "trained for another target")
+
+
+def test_generate_batch_mode_reports_failed_rows(tiny_target_dir, tmp_path):
+    """Guards batch mode: every prompt answered in order, greedy as alone, a too-long prompt reported alone."""
+    prompts = tmp_path / "p.jsonl"
+    texts = ["abc abc abc", "hello", "x" * 400, "xyz xyz"]  # the third does not fit the 256-position context
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in texts))
+    proc = run("generate", "--target", str(tiny_target_dir), "--dtype", "float32", "--prompts", str(prompts),
+               "--batch-size", "2", "--max-new-tokens", "8", "--drafter", "prompt_lookup", "--json", "--quiet")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "1 of 4 prompts failed" in proc.stderr and "prompt 2 failed" in proc.stderr, proc.stderr[-1000:]
+    assert "Traceback" not in proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2, 3] and rows[2]["error"] and not rows[0]["error"]
+    alone = run("generate", "--target", str(tiny_target_dir), "--dtype", "float32", "--prompt", texts[3],
+                "--max-new-tokens", "8", "--drafter", "none", "--json", "--quiet")
+    assert json.loads(alone.stdout)["text"] == rows[3]["text"]

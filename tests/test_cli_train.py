@@ -76,3 +76,21 @@ def test_training_commands_reject_bad_input(tiny_target_dir, data_file, tmp_path
         proc = run(*args)
         assert proc.returncode == 2, (args, proc.returncode, proc.stderr[-800:])
         assert "Traceback" not in proc.stderr and needle in proc.stderr, (args, proc.stderr[-800:])
+
+
+def test_distill_then_features_commands(tiny_target_dir, data_file, tmp_path):
+    """Guards the data-side commands end to end: distil replies, then dump features from them, quietly."""
+    distilled = tmp_path / "d.jsonl"
+    proc = run("distill", "--target", str(tiny_target_dir), "--dtype", "float32", "--data", str(data_file),
+               "--max-samples", "3", "--max-new-tokens", "4", "--out", str(distilled), "--quiet")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(distilled.read_text().splitlines()) == 3
+    assert "distill:" not in proc.stderr, f"--quiet still drew a progress bar: {proc.stderr[-300:]}"
+    feats = tmp_path / "feats"
+    proc = run("features", "--target", str(tiny_target_dir), "--target-dtype", "float32", "--data", str(distilled),
+               "--head", "eagle1", "--max-samples", "3", "--eval-samples", "1", "--max-len", "48",
+               "--features-dir", str(feats), "--features-dtype", "float32")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    manifest = json.loads((feats / "manifest.json").read_text())
+    assert manifest["num_samples"] == 3 and manifest["indices"] == [-1], manifest
+    assert "GB" in proc.stdout and "features:" in proc.stderr, "size estimate and progress bar expected"

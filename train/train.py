@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from tqdm import tqdm
 
 from selfdraft.config import load
 from selfdraft.data import collate, load_conversations, prepare_samples, sharegpt_path
@@ -44,7 +45,8 @@ def build_samples(cfg: TrainConfig, tokenizer, accelerator: Accelerator):
     source = sharegpt_path() if cfg.data == "sharegpt" else cfg.data
     conversations, report = load_conversations(source, limit=(cfg.max_samples + cfg.eval_samples) or None)
     accelerator.print(f"[data] {source}: {report.describe()}")
-    samples, counts = prepare_samples(tokenizer, conversations, cfg.max_len)
+    bar = tqdm(conversations, desc="tokenise", unit="conv", file=sys.stderr, disable=not accelerator.is_main_process)
+    samples, counts = prepare_samples(tokenizer, bar, cfg.max_len)
     accelerator.print(f"[data] tokenised with the chat template, max_len {cfg.max_len}: {dict(counts)}")
     if len(samples) <= cfg.eval_samples:
         raise ValueError(f"only {len(samples)} usable samples; need more than eval_samples={cfg.eval_samples}")
@@ -307,6 +309,8 @@ def main(cfg: TrainConfig) -> Path:
         next(stream)  # same data order as an uninterrupted run
     head.train()
     t0, tokens_seen = time.perf_counter(), 0
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", file=sys.stderr,
+               disable=not accelerator.is_main_process)
     while step < cfg.max_steps:
         for _ in range(cfg.grad_accum):
             idx = next(stream)
@@ -324,6 +328,7 @@ def main(cfg: TrainConfig) -> Path:
                 scheduler.step()
                 optimizer.zero_grad()
         step += 1
+        bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             metrics.update(loss=float(loss.detach()), lr=scheduler.get_last_lr()[0], tokens_seen=tokens_seen * accelerator.num_processes)
             accelerator.log(metrics, step=step)
@@ -339,6 +344,7 @@ def main(cfg: TrainConfig) -> Path:
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
             save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed})
 
+    bar.close()
     eval_metrics = evaluate(cfg, head, model, eval_samples, pad_id, store)
     if accelerator.is_main_process and store is None:  # real tau needs the whole target
         eval_metrics.update(real_tau(cfg, head_cfg, saved_head(cfg, accelerator.unwrap_model(head)), model, eval_samples, out_dir, tokenizer))

@@ -22,6 +22,12 @@ def _draft_model(target: nn.Module, model: str | nn.Module, dtype: str | None = 
 
 
 def _head(target: nn.Module, path: str, **options) -> Drafter:
+    return _head_factory(target, path, **options)()
+
+
+def _head_factory(target: nn.Module, path: str, **options) -> Callable[[], Drafter]:
+    """Read the head folder once; drafters built from it share the head module. Options default to
+    the folder's tune.json (the tree ``selfdraft tune`` picked for this machine)."""
     from selfdraft.heads import head_type, load_head
     from selfdraft.tune import read_tuned
 
@@ -30,7 +36,8 @@ def _head(target: nn.Module, path: str, **options) -> Drafter:
     if tuned:
         shown = {k: v for k, v in tuned.items() if k != "paths"} or f"{len(tuned['paths'])} paths"
         print(f"[head] tree tuned for this machine (tune.json): {shown}; options given here override it", file=sys.stderr)
-    return head_type(kind).drafter(head, **{**tuned, **options})
+    settings = {**tuned, **options}
+    return lambda: head_type(kind).drafter(head, **settings)
 
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {
@@ -39,6 +46,22 @@ DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "layer_skip": layer_skip_drafter,
     "draft_model": _draft_model,
 }
+
+
+def drafter_factory(name: str, target: nn.Module, **options) -> Callable[[], Drafter]:
+    """A function that builds fresh drafters (one per sequence of a batch) sharing what can be shared
+    (a head folder is read once). Builds one drafter right away so bad options fail here."""
+    if name == "head":
+        if "path" not in options:
+            raise ValueError("the head drafter needs path=HEAD_DIR")
+        try:
+            factory = _head_factory(target, **options)
+            factory()
+        except TypeError as err:
+            raise ValueError(f"bad options for drafter 'head': {err}") from err
+        return factory
+    build_drafter(name, target, **options)
+    return lambda: build_drafter(name, target, **options)
 
 
 def build_drafter(name: str, target: nn.Module, **options) -> Drafter:
@@ -59,6 +82,7 @@ __all__ = [
     "PromptLookupDrafter",
     "StepResult",
     "build_drafter",
+    "drafter_factory",
     "layer_skip_drafter",
     "root_only",
 ]
