@@ -53,6 +53,7 @@ class GenerateConfig(DecodeConfig):
     limit: int = opt(0, "batch mode: first N prompts (0 = all)")
     batch_size: int = opt(8, "batch mode: sequences decoded at once (continuous batching refills finished slots)")
     max_step_tokens: int = opt(64, "batch mode: tree nodes verified per step over all rows (trees shrink as the batch grows)")
+    auto_off: bool = opt(True, "batch mode: measure online and decode plainly at batch sizes where speculation is slower")
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ def run_generate_batch(cfg: GenerateConfig, out: Output) -> None:
     t0 = time.perf_counter()
     results = generate_batch(target.model, [target.encode_chat(t) for t in texts], factory, gen_cfg,
                              target.eos_token_ids, target.tokenizer, cfg.batch_size,
-                             TreePolicy(max_step_tokens=cfg.max_step_tokens))
+                             TreePolicy(max_step_tokens=cfg.max_step_tokens, auto_off=cfg.auto_off))
     wall = time.perf_counter() - t0
     failed = [(i, r) for i, r in enumerate(results) if not r.ok]
     for i, (prompt, res) in enumerate(zip(texts, results)):
