@@ -356,10 +356,10 @@ def _run_program(name: str, cfg, schema: type, out: Output) -> None:
     """In-process ``main(cfg)``, or ``accelerate launch`` with the options as key=value overrides."""
     import subprocess
 
-    if out.quiet:  # tqdm reads TQDM_DISABLE (also in launched processes); HF's own bars and notes too
-        from selfdraft.progress import quiet_libraries
+    if out.quiet:  # read by the programs' bars, also in processes accelerate launches; HF's bars and notes too
+        from selfdraft.progress import QUIET_ENV, quiet_libraries
 
-        os.environ["TQDM_DISABLE"] = "1"
+        os.environ[QUIET_ENV] = "1"
         quiet_libraries()
 
     fields = {f.name for f in dataclasses.fields(schema)}

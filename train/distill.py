@@ -29,6 +29,7 @@ from selfdraft.config import load
 from selfdraft.data import load_conversations, sharegpt_path
 from selfdraft.drafters import build_drafter
 from selfdraft.generate import GenerationConfig, generate
+from selfdraft.progress import quiet
 from selfdraft.sampling import SamplingConfig
 from selfdraft.target import load_target
 from selfdraft.train_config import DistillConfig
@@ -69,7 +70,7 @@ def main(cfg: DistillConfig) -> Path:
     max_pos = int(getattr(target.model.config, "max_position_embeddings", 1 << 20))
     steps = accepted = new_tokens = skipped = 0
     t0 = time.perf_counter()
-    with open(out, "a") as f, tqdm(total=len(conversations), initial=len(done), desc="distill",
+    with open(out, "a") as f, tqdm(total=len(conversations), initial=len(done), desc="distill", disable=quiet(),
                                   unit="conv", file=sys.stderr) as bar:
         for idx, messages in enumerate(conversations):
             if idx in done:

@@ -23,6 +23,7 @@ from selfdraft.config import load
 from selfdraft.features import estimate_bytes, write_features
 from selfdraft.heads.artifact import target_info
 from selfdraft.heads.eagle3 import Eagle3Config
+from selfdraft.progress import quiet
 from selfdraft.target import load_target
 
 _spec = importlib.util.spec_from_file_location("train_main", Path(__file__).with_name("train.py"))
@@ -49,7 +50,7 @@ def main(cfg: train.TrainConfig) -> Path:
                          "lower max_samples or max_len, use features_dtype=bfloat16, or raise the budget")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     t0 = time.perf_counter()
-    with tqdm(total=len(samples), desc="features", unit="sample", file=sys.stderr) as bar:
+    with tqdm(total=len(samples), desc="features", unit="sample", file=sys.stderr, disable=quiet()) as bar:
         folder = write_features(cfg.features_dir, model, samples, indices, target_info(model, cfg.target),
                                 cfg.features_dtype, cfg.features_per_shard, cfg.batch_size, pad_id, bar)
     print(f"[features] done in {time.perf_counter() - t0:.0f}s: {folder}")

@@ -37,6 +37,7 @@ from selfdraft.heads.eagle3 import Eagle3Config, select_draft_vocab
 from selfdraft.heads.medusa import MedusaConfig, medusa_loss
 from selfdraft.heads.medusa2 import Medusa2, attach_lora
 from selfdraft.heads.medusa2 import base_weights_digest as weights_digest
+from selfdraft.progress import quiet
 from selfdraft.target import eos_ids, load_target
 from selfdraft.train_config import TrainConfig
 
@@ -45,7 +46,7 @@ def build_samples(cfg: TrainConfig, tokenizer, accelerator: Accelerator):
     source = sharegpt_path() if cfg.data == "sharegpt" else cfg.data
     conversations, report = load_conversations(source, limit=(cfg.max_samples + cfg.eval_samples) or None)
     accelerator.print(f"[data] {source}: {report.describe()}")
-    bar = tqdm(conversations, desc="tokenise", unit="conv", file=sys.stderr, disable=not accelerator.is_main_process)
+    bar = tqdm(conversations, desc="tokenise", unit="conv", file=sys.stderr, disable=quiet() or not accelerator.is_main_process)
     samples, counts = prepare_samples(tokenizer, bar, cfg.max_len)
     accelerator.print(f"[data] tokenised with the chat template, max_len {cfg.max_len}: {dict(counts)}")
     if len(samples) <= cfg.eval_samples:
@@ -310,7 +311,7 @@ def main(cfg: TrainConfig) -> Path:
     head.train()
     t0, tokens_seen = time.perf_counter(), 0
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", file=sys.stderr,
-               disable=not accelerator.is_main_process)
+               disable=quiet() or not accelerator.is_main_process)
     while step < cfg.max_steps:
         for _ in range(cfg.grad_accum):
             idx = next(stream)
