@@ -41,7 +41,14 @@ from torch import nn
 from selfdraft.adapter import num_layers, ragged_tree_forward
 from selfdraft.cache import RaggedCache
 from selfdraft.drafters.base import Draft, Drafter, StepResult, root_only
-from selfdraft.generate import CACHE_SLACK, GenerationConfig, accept_draft, fit_budget, fit_draft
+from selfdraft.generate import (
+    CACHE_SLACK,
+    GenerationConfig,
+    accept_draft,
+    append_until_stop,
+    fit_budget,
+    fit_draft,
+)
 from selfdraft.sampling import choose
 from selfdraft.stats import GenerationStats
 from selfdraft.tree import chain_tree, select_nodes
@@ -198,22 +205,12 @@ class _Row:
     def emit(self, new: list[int], sources: list[str], eos: frozenset[int], cfg: GenerationConfig, tokenizer) -> bool:
         """Append tokens up to a stop condition; returns True when the request is over."""
         out = self.result
-        taken = 0
-        done = False
-        for tok in new:
-            out.tokens.append(tok)
-            taken += 1
-            if tok in eos:
-                out.stop_reason, done = "eos", True
-            elif cfg.stop_strings and any(s in tokenizer.decode(out.tokens) for s in cfg.stop_strings):
-                out.stop_reason, done = "stop_string", True
-            elif len(out.tokens) >= self.budget:
-                out.stop_reason, done = "max_new_tokens", True
-            if done:
-                break
+        taken, reason = append_until_stop(out.tokens, new, eos, self.budget, cfg.stop_strings, tokenizer)
+        if reason:
+            out.stop_reason = reason
         out.sources.extend(sources[:taken])
         self.committed.extend(new[:taken])
-        return done
+        return reason is not None
 
 
 @torch.inference_mode()

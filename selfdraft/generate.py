@@ -74,6 +74,23 @@ class GenerationOutput:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
+def append_until_stop(
+    tokens: list[int], new: Sequence[int], eos: frozenset[int], budget: int,
+    stop_strings: Sequence[str] = (), tokenizer: object | None = None,
+) -> tuple[int, str | None]:
+    """Append ``new`` to ``tokens`` up to the first stop (EOS, a stop string in the decoded text, the
+    token budget); returns (tokens taken, stop reason or None)."""
+    for taken, tok in enumerate(new, 1):
+        tokens.append(tok)
+        if tok in eos:
+            return taken, "eos"
+        if stop_strings and any(s in tokenizer.decode(tokens) for s in stop_strings):
+            return taken, "stop_string"
+        if len(tokens) >= budget:
+            return taken, "max_new_tokens"
+    return len(new), None
+
+
 def fit_budget(prompt_len: int, cfg: GenerationConfig, max_positions: int) -> int:
     """New tokens allowed for a prompt: max_new_tokens, or what fits (truncate), or ContextLengthError."""
     if prompt_len == 0:
@@ -150,24 +167,14 @@ def generate(
 
     def emit(new: list[int], sources: list[str]) -> bool:
         """Append tokens up to a stop condition; returns True when generation is over."""
-        taken = 0
-        done = False
-        for tok in new:
-            out.tokens.append(tok)
-            taken += 1
-            if tok in eos:
-                out.stop_reason, done = "eos", True
-            elif cfg.stop_strings and any(s in tokenizer.decode(out.tokens) for s in cfg.stop_strings):
-                out.stop_reason, done = "stop_string", True
-            elif len(out.tokens) >= budget:
-                out.stop_reason, done = "max_new_tokens", True
-            if done:
-                break
+        taken, reason = append_until_stop(out.tokens, new, eos, budget, cfg.stop_strings, tokenizer)
+        if reason:
+            out.stop_reason = reason
         out.sources.extend(sources[:taken])
         committed.extend(new[:taken])
         if on_tokens is not None:
             on_tokens(new[:taken], sources[:taken])
-        return done
+        return reason is not None
 
     # prefill: the whole prompt as a chain, then the first token from the last position
     t0 = time.perf_counter()
