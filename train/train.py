@@ -31,14 +31,20 @@ from selfdraft.data import collate, load_conversations, prepare_samples, sharegp
 from selfdraft.features import FeatureStore, target_features
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.heads import head_type, load_head, save
-from selfdraft.heads.artifact import fingerprint, replace_dir, save_head, target_info, weights_fingerprint
+from selfdraft.heads.artifact import (
+    fingerprint,
+    replace_dir,
+    save_head,
+    target_info,
+    weights_digest,
+    weights_fingerprint,
+)
 from selfdraft.heads.eagle1 import Eagle1Config
 from selfdraft.heads.eagle3 import Eagle3Config, select_draft_vocab
 from selfdraft.heads.medusa import MedusaConfig, medusa_loss
 from selfdraft.heads.medusa2 import Medusa2, attach_lora
-from selfdraft.heads.medusa2 import base_weights_digest as weights_digest
 from selfdraft.progress import quiet
-from selfdraft.target import eos_ids, load_target
+from selfdraft.target import load_target
 from selfdraft.train_config import TrainConfig
 
 
@@ -200,7 +206,7 @@ def evaluate(cfg: TrainConfig, head, target, samples, pad_id: int, store: Featur
 
 
 def real_tau(cfg: TrainConfig, head_cfg: object, head: torch.nn.Module, model: torch.nn.Module, samples: list,
-             out_dir: Path, tokenizer=None) -> dict:
+             out_dir: Path, eos_token_ids: frozenset[int]) -> dict:
     """The real accept length: save the head, load it as users do, draft through the engine on held-out prompts.
 
     Each prompt is a held-out sample up to its first trained (assistant) token, so it ends with the
@@ -211,16 +217,18 @@ def real_tau(cfg: TrainConfig, head_cfg: object, head: torch.nn.Module, model: t
     kind = "medusa" if cfg.head == "medusa2" else cfg.head  # Medusa-2 heads are Medusa heads on the adapted target
     folder = save(out_dir / ".eval-head", kind, head_cfg, head, model, cfg.target)
     _, loaded, _ = load_head(folder, model)
-    stops = eos_ids(model, tokenizer)
-    steps = new = 0
+    steps = accepted = new = 0
     t0 = time.perf_counter()
     for sample in samples[: cfg.eval_tau_prompts]:
         first = sample.loss_mask.index(1) if 1 in sample.loss_mask else len(sample.input_ids)
         drafter = head_type(kind).drafter(loaded)
-        out = generate(model, sample.input_ids[:first], drafter, GenerationConfig(max_new_tokens=cfg.eval_tau_tokens), stops)
+        out = generate(model, sample.input_ids[:first], drafter, GenerationConfig(max_new_tokens=cfg.eval_tau_tokens), eos_token_ids)
         steps += out.stats.steps
+        accepted += out.stats.accepted
         new += out.stats.new_tokens
-    return {"eval/tau": new / max(1, steps), "eval/tau_tokens_per_s": new / (time.perf_counter() - t0)}
+    # tau as GenerationStats defines it: tokens per verification forward (the prefill's token not counted)
+    tau = (steps + accepted) / steps if steps else 1.0
+    return {"eval/tau": tau, "eval/tau_tokens_per_s": new / (time.perf_counter() - t0)}
 
 
 def saved_head(cfg: TrainConfig, module: torch.nn.Module) -> torch.nn.Module:
@@ -305,6 +313,16 @@ def main(cfg: TrainConfig) -> Path:
     if use_wandb:
         accelerator.init_trackers(cfg.wandb_project, config=asdict(cfg))
 
+    def run_eval(at_step: int) -> dict:
+        """Held-out loss/accuracy, plus the real tau through the engine (it needs the whole target)."""
+        metrics = evaluate(cfg, head, model, eval_samples, pad_id, store)
+        if accelerator.is_main_process and store is None:
+            module = saved_head(cfg, accelerator.unwrap_model(head))
+            metrics.update(real_tau(cfg, head_cfg, module, model, eval_samples, out_dir, target.eos_token_ids))
+        accelerator.log(metrics, step=at_step)
+        write_metrics(accelerator, out_dir, at_step, metrics)
+        return metrics
+
     stream = batch_order(len(train_samples), cfg.batch_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
     for _ in range(consumed):
         next(stream)  # same data order as an uninterrupted run
@@ -337,20 +355,12 @@ def main(cfg: TrainConfig) -> Path:
             accelerator.print(f"step {step}/{cfg.max_steps} loss {float(loss.detach()):.4f} tau~{metrics['tau_estimate']:.2f} "
                               f"lr {metrics['lr']:.2e} {time.perf_counter() - t0:.0f}s")
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
-            eval_metrics = evaluate(cfg, head, model, eval_samples, pad_id, store)
-            if accelerator.is_main_process and store is None:
-                eval_metrics.update(real_tau(cfg, head_cfg, saved_head(cfg, accelerator.unwrap_model(head)), model, eval_samples, out_dir, tokenizer))
-            accelerator.log(eval_metrics, step=step)
-            write_metrics(accelerator, out_dir, step, eval_metrics)
+            run_eval(step)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
             save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed})
 
     bar.close()
-    eval_metrics = evaluate(cfg, head, model, eval_samples, pad_id, store)
-    if accelerator.is_main_process and store is None:  # real tau needs the whole target
-        eval_metrics.update(real_tau(cfg, head_cfg, saved_head(cfg, accelerator.unwrap_model(head)), model, eval_samples, out_dir, tokenizer))
-    accelerator.log(eval_metrics, step=step)
-    write_metrics(accelerator, out_dir, step, eval_metrics)
+    eval_metrics = run_eval(step)
     accelerator.print("[eval] " + " ".join(f"{k} {v:.3f}" for k, v in sorted(eval_metrics.items())))
     save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed})
     head_dir = out_dir / "head"

@@ -53,6 +53,22 @@ def weights_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def weights_digest(model: nn.Module) -> str:
+    """sha256 over every tensor's bytes (proves a frozen target unchanged); LoRA tensors are skipped and
+    peft's ``base_layer`` names folded, so a Medusa-2 target is compared by its base weights."""
+    h = hashlib.sha256()
+    items = {}
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name:
+            continue
+        key = name.replace(".base_layer", "").replace("base_model.model.", "")
+        items[key] = tensor
+    for name in sorted(items):
+        h.update(name.encode())
+        h.update(items[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def target_info(model: nn.Module, name: str) -> dict[str, Any]:
     cfg = model.config
     return {
@@ -64,6 +80,26 @@ def target_info(model: nn.Module, name: str) -> dict[str, Any]:
         "num_hidden_layers": cfg.num_hidden_layers,
         "fingerprint": fingerprint(model),
     }
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` atomically (a temp file in the same folder, then a rename); makes the folder.
+
+    Readers see the old file or the new one, never a partial write."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; keep the usual umask-based mode
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor, nn
 
 from selfdraft.heads.medusa import MedusaHeads, medusa_loss
@@ -56,20 +55,3 @@ class Medusa2(nn.Module):
 
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
-
-
-def base_weights_digest(model: nn.Module) -> str:
-    """sha256 over the base weights only (LoRA tensors skipped, peft's ``base_layer`` names folded)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    items = {}
-    for name, tensor in model.state_dict().items():
-        if "lora_" in name:
-            continue
-        key = name.replace(".base_layer", "").replace("base_model.model.", "")
-        items[key] = tensor
-    for name in sorted(items):
-        h.update(name.encode())
-        h.update(items[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
