@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from selfdraft.data import TokenizedSample
+from selfdraft.heads.artifact import write_text_atomic
 
 MANIFEST = "manifest.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,9 +97,7 @@ def write_features(
         save_file(tensors, str(tmp))
         os.replace(tmp, folder / name)
         meta["shards"].append(name)
-        tmp_manifest = folder / f".{MANIFEST}.tmp"
-        tmp_manifest.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp_manifest, manifest)
+        write_text_atomic(manifest, json.dumps(meta, indent=2))
     return folder
 
 

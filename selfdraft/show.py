@@ -10,12 +10,11 @@ except :class:`TokenTexts`, which holds the incremental decoding state while str
 from __future__ import annotations
 
 import html
-import os
-import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from selfdraft.heads.artifact import write_text_atomic
 from selfdraft.stats import acceptance_rates
 
 SOURCES = ("draft", "correction", "bonus", "target")
@@ -162,17 +161,4 @@ def html_page(
 
 def write_page(path: str | Path, page: str) -> Path:
     """Write ``page`` atomically (a temp file in the same folder, then a rename); makes the folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(page)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a page is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(path, page)

@@ -34,9 +34,10 @@ from torch import Tensor, nn
 
 from selfdraft.adapter import new_cache, tree_forward
 from selfdraft.config import opt
-from selfdraft.drafters.base import Drafter, StepResult
+from selfdraft.drafters.base import Draft, Drafter, StepResult
 from selfdraft.generate import GenerationConfig, generate
-from selfdraft.tree import chain_tree
+from selfdraft.heads.artifact import write_text_atomic
+from selfdraft.tree import chain_tree, top_nodes_by_score
 
 TUNE_FILE = "tune.json"
 BUDGETS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -128,9 +129,7 @@ class ProfileRecorder:
     depth and score and which nodes the target accepted (greedy)."""
 
     def __init__(self, drafter, max_nodes: int):
-        from selfdraft.tree import top_nodes_by_score
-
-        self.drafter, self.max_nodes, self._top = drafter, max_nodes, top_nodes_by_score
+        self.drafter, self.max_nodes = drafter, max_nodes
         self.hidden_layers = drafter.hidden_layers
         self.steps: list[tuple[Tensor, Tensor, list[int]]] = []
         self._last = None
@@ -138,11 +137,9 @@ class ProfileRecorder:
     def reset(self, step: StepResult) -> None:
         self.drafter.reset(step)
 
-    def propose(self, tokens: Tensor, sampling, generator):
-        from selfdraft.drafters.base import Draft
-
+    def propose(self, tokens: Tensor, sampling, generator) -> Draft:
         tree, node_tokens, scores = self.drafter.expand(tokens)
-        tree, keep = self._top(tree, scores, self.max_nodes)
+        tree, keep = top_nodes_by_score(tree, scores, self.max_nodes)
         self._last = (tree, node_tokens[keep], scores[keep])
         return Draft(tree, node_tokens[keep])
 
@@ -243,9 +240,14 @@ def main(cfg: TuneConfig) -> dict:
     # 1. verification cost against tree size
     print(f"[tune] timing target forwards over 1..{budgets[-1] + 1} tree tokens after {cfg.context} cached tokens")
     verify = verify_latency(model, [b + 1 for b in budgets] + [1], cfg.context, cfg.reps)
-    # 2. the loop's own time per step, from a plain greedy run
-    plain = [generate(model, p, None, gen_cfg, target.eos_token_ids) for p in prompts[:2]]
+    # 2. the loop's own time per step, from plain greedy runs (Medusa's profile reads all of them)
+    plain = [generate(model, p, None, gen_cfg, target.eos_token_ids) for p in (prompts if kind == "medusa" else prompts[:2])]
     other = sum(o.stats.other_s for o in plain) / max(1, sum(o.stats.steps for o in plain))
+
+    def candidate(options: dict, nodes: int, tau: float, draft_s: float) -> dict:
+        step_s = verify[nodes + 1] + draft_s + other
+        return {"drafter_options": options, "nodes": nodes, "tau": tau, "verify_s": verify[nodes + 1],
+                "draft_s": draft_s, "expected_tokens_per_s": tau / step_s}
 
     candidates = []
     if kind in ("eagle1", "eagle3"):
@@ -262,18 +264,13 @@ def main(cfg: TuneConfig) -> dict:
                 for b in budgets:
                     if b < depth or b > top_k + (depth - 1) * top_k * top_k:
                         continue  # fewer nodes than the depth, or more than this expansion generates
-                    tau = tau_from_profile(recorder.steps, b, depth)
-                    step_s = verify[b + 1] + draft_s + other
-                    candidates.append({
-                        "drafter_options": {"depth": depth, "top_k": top_k, "total_tokens": b},
-                        "nodes": b, "tau": tau, "verify_s": verify[b + 1], "draft_s": draft_s,
-                        "expected_tokens_per_s": tau / step_s,
-                    })
+                    options = {"depth": depth, "top_k": top_k, "total_tokens": b}
+                    candidates.append(candidate(options, b, tau_from_profile(recorder.steps, b, depth), draft_s))
             print(f"[tune] top_k {top_k}: {len(recorder.steps)} profiled steps")
     elif kind == "medusa":
         from selfdraft.drafters.medusa import MedusaDrafter
 
-        sequences = [(p + o.tokens, len(p)) for p, o in zip(prompts, [generate(model, p, None, gen_cfg, target.eos_token_ids) for p in prompts])]
+        sequences = [(p + o.tokens, len(p)) for p, o in zip(prompts, plain)]
         acc = medusa_rank_accuracy(model, head, sequences, width=8)
         ranked = medusa_best_paths(acc, cfg.max_nodes)
         for b in budgets:
@@ -282,11 +279,7 @@ def main(cfg: TuneConfig) -> dict:
             paths = [list(p) for p, _ in ranked[:b]]
             tau = 1 + sum(v for _, v in ranked[:b])
             draft_s = draft_latency(model, MedusaDrafter(head, paths), prompts[0], cfg.reps)
-            step_s = verify[b + 1] + draft_s + other
-            candidates.append({
-                "drafter_options": {"paths": paths}, "nodes": b, "tau": tau, "verify_s": verify[b + 1],
-                "draft_s": draft_s, "expected_tokens_per_s": tau / step_s,
-            })
+            candidates.append(candidate({"paths": paths}, b, tau, draft_s))
     else:
         raise ValueError(f"selfdraft tune knows EAGLE and Medusa heads, not '{kind}'")
     if not candidates:
@@ -311,10 +304,7 @@ def main(cfg: TuneConfig) -> dict:
     print(f"[tune] chosen: {chosen} -> expected tau {best['tau']:.2f}, {best['expected_tokens_per_s']:.1f} tok/s "
           f"(plain decoding {plain_tps:.1f} tok/s)")
     if cfg.save:
-        path = Path(cfg.head) / TUNE_FILE
-        tmp = path.with_name(f".{TUNE_FILE}.tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, path)
+        path = write_text_atomic(Path(cfg.head) / TUNE_FILE, json.dumps(result, indent=2))
         print(f"[tune] saved to {path}; head:path={cfg.head} now drafts with it by default")
     if cfg.out:
         Path(cfg.out).write_text(json.dumps({**result, "candidates": candidates}, indent=2))
