@@ -115,7 +115,7 @@ def _load(cfg: DecodeConfig, out: Output) -> tuple[Target, Drafter | None, Gener
     from selfdraft.benchmark import parse_decoder
     from selfdraft.drafters import build_drafter
     from selfdraft.generate import GenerationConfig
-    from selfdraft.progress import bar, quiet_libraries
+    from selfdraft.progress import bar
     from selfdraft.sampling import SamplingConfig
     from selfdraft.target import load_target
 
@@ -128,8 +128,6 @@ def _load(cfg: DecodeConfig, out: Output) -> tuple[Target, Drafter | None, Gener
         seed=cfg.seed,
     )
     spec = None if cfg.drafter == "none" else parse_decoder(cfg.drafter)
-    if out.quiet:
-        quiet_libraries()
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     t0 = time.perf_counter()
     with bar(2, f"loading {cfg.target}", not out.quiet) as pbar:
@@ -298,10 +296,7 @@ def run_chat(cfg: ChatConfig, out: Output) -> None:
 def run_bench(cfg: BenchConfig, out: Output) -> None:
     """Decoders side by side: table (or JSON on stdout), JSON file, optional plots."""
     from selfdraft.benchmark import main as bench_main
-    from selfdraft.progress import quiet_libraries
 
-    if out.quiet:
-        quiet_libraries()
     bench_main(cfg, quiet=out.quiet, as_json=out.json)
 
 
@@ -321,11 +316,8 @@ def run_import(cfg, out: Output) -> None:
 
 def run_tune(cfg, out: Output) -> None:
     """Measure this machine and the head, save the best tree budget next to the head."""
-    from selfdraft.progress import quiet_libraries
     from selfdraft.tune import main as tune_main
 
-    if out.quiet:
-        quiet_libraries()
     result = tune_main(cfg)
     if out.json:
         print(json.dumps(result))
@@ -356,11 +348,6 @@ def _run_program(name: str, cfg, schema: type, out: Output) -> None:
     """In-process ``main(cfg)``, or ``accelerate launch`` with the options as key=value overrides."""
     import subprocess
 
-    if out.quiet:  # read by the programs' bars, also in processes accelerate launches; HF's bars and notes too
-        from selfdraft.progress import QUIET_ENV, quiet_libraries
-
-        os.environ[QUIET_ENV] = "1"
-        quiet_libraries()
 
     fields = {f.name for f in dataclasses.fields(schema)}
     values = {k: v for k, v in dataclasses.asdict(cfg).items() if k in fields}
@@ -446,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(cmds).parse_args(argv)
     cmd = cmds[args.command]
     out = Output(**{f: getattr(args, f"out_{f}") for f in cmd.flags})
+    if out.quiet:  # one switch for every command: our bars (also in launched processes), HF's bars and notes
+        from selfdraft.progress import QUIET_ENV, quiet_libraries
+
+        os.environ[QUIET_ENV] = "1"
+        quiet_libraries()
     if cmd.positional and getattr(args, f"pos_{cmd.positional}", None):
         setattr(args, cmd.positional, getattr(args, f"pos_{cmd.positional}"))
     try:
