@@ -81,3 +81,4 @@ class DistillConfig:
     out: str = opt("runs/distill/distilled.jsonl", "output JSONL (resumed if it exists)")
     seed: int = opt(0, "sampling seed (per conversation: seed + index)")
     threads: int = opt(0, "torch threads (0 = number of cores)")
+    batch_size: int = opt(1, "replies generated together with continuous batching (1 = one at a time through the drafter)")

@@ -51,3 +51,8 @@ def test_distill_regenerates_with_the_target_and_resumes(tiny_target_dir, tmp_pa
     assert out.read_text().splitlines() == lines
     loaded, report = load_conversations(out)
     assert len(loaded) == 4 and report.kept == 4
+    # batched regeneration (continuous batching, two slots, three in flight per chunk) writes the same greedy records
+    batched = tmp_path / "batched.jsonl"
+    distill.main(distill.DistillConfig(target=str(tiny_target_dir), dtype="float32", data=str(data), max_samples=0,
+                                       max_new_tokens=6, out=str(batched), drafter="prompt_lookup", batch_size=2))
+    assert batched.read_text().splitlines() == lines

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from selfdraft.batch import TreePolicy, generate_batch
 from selfdraft.config import load
 from selfdraft.data import load_conversations, sharegpt_path
 from selfdraft.drafters import build_drafter
@@ -50,11 +51,63 @@ def completed_ids(path: Path) -> set[int]:
     return {json.loads(line)["id"] for line in data[:keep].decode().splitlines() if line.strip()}
 
 
+def regenerate(target, conversations: list[list[dict]], ids: list[int], make_drafter, gen_cfg: GenerationConfig,
+               cfg: DistillConfig, max_pos: int, totals: dict[str, int]) -> list[list[dict]]:
+    """Regenerate the assistant turns of several conversations, turn by turn; returns their new histories.
+
+    Round k regenerates the k-th assistant turn of every conversation that still has one (and whose
+    prompt fits the context), from its human turns and the target's own earlier replies. With
+    ``cfg.batch_size`` > 1 a round runs through continuous batching (one batched target forward per
+    step); otherwise each reply is one speculative ``generate`` call. Greedy replies are the same
+    either way: both decode the target's own argmax.
+    """
+    histories: list[list[dict]] = [[] for _ in conversations]
+    cursors = [0] * len(conversations)  # next message to read per conversation
+    active = list(range(len(conversations)))
+    while active:
+        asks: list[tuple[int, list[int]]] = []
+        for c in active:
+            messages, history = conversations[c], histories[c]
+            while cursors[c] < len(messages) and messages[cursors[c]]["role"] != "assistant":
+                history.append(messages[cursors[c]])
+                cursors[c] += 1
+            if cursors[c] >= len(messages):
+                continue  # no assistant turn left
+            prompt = target.encode_chat(history)
+            if len(prompt) >= max_pos:
+                continue  # the rest of this conversation does not fit in the context
+            asks.append((c, prompt))
+        replies: list[tuple[list[int], object]] = []
+        if cfg.batch_size > 1 and asks:
+            results = generate_batch(target.model, [p for _, p in asks], make_drafter, replace(gen_cfg, seed=cfg.seed + ids[asks[0][0]]),
+                                     target.eos_token_ids, target.tokenizer, batch_size=cfg.batch_size,
+                                     policy=TreePolicy(auto_off=True))
+            for (c, _), res in zip(asks, results):
+                if not res.ok:
+                    raise RuntimeError(f"conversation {ids[c]}: {res.error}")
+                replies.append((res.tokens, res.stats))
+        else:
+            for c, prompt in asks:
+                res = generate(target.model, prompt, make_drafter() if make_drafter else None,
+                               replace(gen_cfg, seed=cfg.seed + ids[c]), target.eos_token_ids, target.tokenizer)
+                replies.append((res.tokens, res.stats))
+        for (c, _), (tokens, stats) in zip(asks, replies):
+            totals["steps"] += stats.steps
+            totals["accepted"] += stats.accepted
+            totals["new_tokens"] += stats.new_tokens
+            histories[c].append({"role": "assistant", "content": target.tokenizer.decode(tokens, skip_special_tokens=True).strip()})
+            cursors[c] += 1  # past the assistant turn just regenerated
+        active = [c for c, _ in asks if cfg.turns == "all"]
+    return histories
+
+
 def main(cfg: DistillConfig) -> Path:
     from selfdraft.benchmark import parse_decoder
 
     if cfg.turns not in ("all", "first"):
         raise ValueError(f"turns must be 'all' or 'first', got '{cfg.turns}'")
+    if cfg.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     target = load_target(cfg.target, dtype=cfg.dtype)
     if not getattr(target.tokenizer, "chat_template", None):
@@ -68,40 +121,28 @@ def main(cfg: DistillConfig) -> Path:
     gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=SamplingConfig(cfg.temperature),
                                on_context_overflow="truncate")
     max_pos = int(getattr(target.model.config, "max_position_embeddings", 1 << 20))
-    steps = accepted = new_tokens = skipped = 0
+    name, options = parse_decoder(cfg.drafter) if cfg.drafter != "none" else (None, {})
+    make_drafter = (lambda: build_drafter(name, target.model, **options)) if name else None
+    todo = [(idx, messages) for idx, messages in enumerate(conversations) if idx not in done]
+    chunk = max(1, cfg.batch_size) * 4  # conversations regenerated together (turn by turn) before being written
+    totals = {"steps": 0, "accepted": 0, "new_tokens": 0}
+    skipped = 0
     t0 = time.perf_counter()
     with open(out, "a") as f, tqdm(total=len(conversations), initial=len(done), desc="distill", disable=quiet(),
                                   unit="conv", file=sys.stderr) as bar:
-        for idx, messages in enumerate(conversations):
-            if idx in done:
-                continue
-            history: list[dict] = []
-            for m in messages:
-                if m["role"] != "assistant":
-                    history.append(m)
+        for start in range(0, len(todo), chunk):
+            part = todo[start : start + chunk]
+            histories = regenerate(target, [m for _, m in part], [idx for idx, _ in part], make_drafter,
+                                   gen_cfg, cfg, max_pos, totals)
+            for (idx, _), history in zip(part, histories):
+                if not any(m["role"] == "assistant" for m in history):
+                    skipped += 1
                     continue
-                prompt = target.encode_chat(history)
-                if len(prompt) >= max_pos:
-                    break  # the rest of this conversation does not fit in the context
-                drafter = None
-                if cfg.drafter != "none":
-                    name, options = parse_decoder(cfg.drafter)
-                    drafter = build_drafter(name, target.model, **options)
-                res = generate(target.model, prompt, drafter, replace(gen_cfg, seed=cfg.seed + idx),
-                               target.eos_token_ids, target.tokenizer)
-                steps += res.stats.steps
-                accepted += res.stats.accepted
-                new_tokens += res.stats.new_tokens
-                history.append({"role": "assistant", "content": target.tokenizer.decode(res.tokens, skip_special_tokens=True).strip()})
-                if cfg.turns == "first":
-                    break
-            if not any(m["role"] == "assistant" for m in history):
-                skipped += 1
-            else:
                 record = {"id": idx, "conversations": [{"from": ROLE_OUT[m["role"]], "value": m["content"]} for m in history]}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                f.flush()
-            bar.update(1)
+            f.flush()  # a chunk is written whole; a crash mid-chunk redoes it on resume
+            bar.update(len(part))
+    steps, accepted, new_tokens = totals["steps"], totals["accepted"], totals["new_tokens"]
     wall = time.perf_counter() - t0
     print(f"[distill] wrote {out}: {new_tokens} new tokens in {wall:.0f}s ({new_tokens / max(wall, 1e-9):.1f} tok/s), "
           f"tau {(steps + accepted) / max(steps, 1):.2f} with drafter {cfg.drafter}; {skipped} conversations did not fit the context")
