@@ -82,6 +82,9 @@ def load_conversations(spec: str, limit: int | None = None, turns: str = "all") 
     """
     if turns not in TURNS:
         raise ValueError(f"turns must be one of {TURNS}, got '{turns}'")
+    if spec == "sharegpt-heldout":
+        convs = sharegpt_heldout(limit or 80)
+        return [Conversation(c.turns[:1], c.system) for c in convs] if turns == "first" else convs
     path = mtbench_path() if spec == "mtbench" else Path(spec)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
@@ -100,6 +103,29 @@ def load_conversations(spec: str, limit: int | None = None, turns: str = "all") 
     if not convs:
         raise ValueError(f"{path}: no prompts in the file")
     return convs[:limit] if limit else convs
+
+
+HELDOUT_MAX_CHARS = 1500
+
+
+def sharegpt_heldout(limit: int) -> list[Conversation]:
+    """User turns of the *last* ShareGPT records (training reads from the front), short first turns only.
+
+    A prompt set disjoint from both the training conversations and MT-bench, for tuning a tree
+    without tuning it on the benchmark's prompts. Records whose first user turn is longer than
+    HELDOUT_MAX_CHARS characters (code dumps, pasted documents) are left out.
+    """
+    from selfdraft.data import load_conversations as load_sharegpt, sharegpt_path
+
+    records, _ = load_sharegpt(sharegpt_path())
+    out = []
+    for messages in reversed(records):
+        user = tuple(m["content"] for m in messages if m["role"] == "user")
+        if user and user[0].strip() and len(user[0]) <= HELDOUT_MAX_CHARS:
+            out.append(Conversation(user))
+        if len(out) == limit:
+            break
+    return out
 
 
 def load_prompts(spec: str, limit: int | None = None) -> list[str]:
@@ -338,7 +364,7 @@ def run_benchmark(
 class BenchConfig:
     target: str = opt("smollm2", "target: alias, local folder, .gguf file or hub id")
     dtype: str = opt("bfloat16", "target dtype: float32 or bfloat16")
-    prompts: str = opt("mtbench", "prompt set: 'mtbench' or a JSONL file (a 'turns' list, a 'messages' list or a prompt field)")
+    prompts: str = opt("mtbench", "prompt set: 'mtbench', 'sharegpt-heldout' (last ShareGPT records) or a JSONL file (a 'turns' list, a 'messages' list or a prompt field)")
     turns: str = opt("first", "multi-turn sets: 'first' user turn only, or 'all' turns with each reply fed back")
     limit: int = opt(10, "use the first N prompt records (0 = all)")
     max_new_tokens: int = opt(128, "new tokens per turn (>= 1)")

@@ -53,6 +53,7 @@ class TrainConfig:
     wandb_project: str = opt("selfdraft", "W&B project name")
     seed: int = opt(0, "seed for init and data order")
     resume: bool = opt(False, "continue from the last checkpoint in out_dir")
+    init_head: str = opt("", "start from this head folder (continued training or fine-tuning on new data); fresh optimizer and schedule")
     features_dir: str = opt("", "offline target features (train/dump_features.py writes them): train from disk, target layers not in memory")
     features_dtype: str = opt("bfloat16", "dump_features: dtype of the stored hidden states (float32 for exact parity)")
     features_budget_gb: float = opt(100.0, "dump_features: refuse to write more than this many GB")
@@ -82,3 +83,4 @@ class DistillConfig:
     seed: int = opt(0, "sampling seed (per conversation: seed + index)")
     threads: int = opt(0, "torch threads (0 = number of cores)")
     batch_size: int = opt(1, "replies generated together with continuous batching (1 = one at a time through the drafter)")
+    max_prompt_tokens: int = opt(0, "skip a turn (and the rest of its conversation) whose prompt is longer than this (0 = up to the context)")

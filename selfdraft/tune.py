@@ -48,7 +48,8 @@ class TuneConfig:
     head: str = opt("", "head folder to tune; the chosen tree is saved there as tune.json")
     target: str = opt("smollm2", "target: alias, local folder, .gguf file or hub id")
     dtype: str = opt("bfloat16", "target dtype to tune for (the one you will generate in)")
-    prompts: str = opt("mtbench", "'mtbench' or a JSONL file of prompts for the acceptance profile")
+    prompts: str = opt("sharegpt-heldout", "prompts for the acceptance profile: 'sharegpt-heldout' (the last ShareGPT records, "
+                       "disjoint from training and from MT-bench), 'mtbench' or a JSONL file")
     limit: int = opt(6, "prompts in the acceptance profile")
     max_new_tokens: int = opt(96, "new tokens per profiled prompt")
     max_nodes: int = opt(64, "largest tree considered (draft nodes, root excluded)")

@@ -262,3 +262,24 @@ def test_every_train_config_is_valid():
         cfg = load(train.TrainConfig, f)
         assert cfg.head in ("medusa", "medusa2", "eagle1", "eagle3"), f
         assert f.read_text().startswith("# accelerate launch") and f.name in f.read_text().splitlines()[0], f
+
+
+def test_init_head_continues_from_a_trained_head(tiny_target_dir, data_file, tmp_path):
+    """Guards init_head: training starts from the saved weights (not a fresh head), and a wrong head type is refused."""
+    first = tmp_path / "first"
+    head_dir = train.main(config(tiny_target_dir, data_file, first, head="eagle3", draft_vocab_size=64, ttt_steps=3))
+    trained = [r for r in metrics(first) if "loss" in r]
+    cont = tmp_path / "cont"
+    out = train.main(config(tiny_target_dir, data_file, cont, head="eagle3", init_head=str(head_dir), max_steps=2,
+                            warmup_steps=0, lr=1e-7, log_every=1, eval_tau_prompts=0, ttt_steps=3))
+    start = [r for r in metrics(cont) if "loss" in r][0]
+    # a fresh head starts near chance; the continued one starts where the first run ended
+    assert start["top1/head0"] > trained[0]["top1/head0"] + 0.3, (trained[0]["top1/head0"], start["top1/head0"])
+    assert start["loss/head0"] < trained[0]["loss/head0"] - 0.1, (trained[0]["loss/head0"], start["loss/head0"])
+    end_eval = [r for r in metrics(first) if "eval/loss/head0" in r][-1]["eval/loss/head0"]
+    cont_eval = [r for r in metrics(cont) if "eval/loss/head0" in r][-1]["eval/loss/head0"]
+    assert abs(cont_eval - end_eval) < 1e-3  # lr 1e-7 for two steps: the same head
+    # the saved config (draft vocabulary included) is carried over, whatever the fresh-head options say
+    assert json.loads((out / "config.json").read_text())["head_config"] == json.loads((head_dir / "config.json").read_text())["head_config"]
+    with pytest.raises(ValueError, match="holds a 'eagle3' head"):
+        train.main(config(tiny_target_dir, data_file, tmp_path / "bad", head="eagle1", init_head=str(head_dir)))

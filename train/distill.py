@@ -74,8 +74,8 @@ def regenerate(target, conversations: list[list[dict]], ids: list[int], make_dra
             if cursors[c] >= len(messages):
                 continue  # no assistant turn left
             prompt = target.encode_chat(history)
-            if len(prompt) >= max_pos:
-                continue  # the rest of this conversation does not fit in the context
+            if len(prompt) >= max_pos or (cfg.max_prompt_tokens and len(prompt) > cfg.max_prompt_tokens):
+                continue  # the rest of this conversation does not fit (the context, or the prompt limit)
             asks.append((c, prompt))
         replies: list[tuple[list[int], object]] = []
         if cfg.batch_size > 1 and asks:
@@ -145,7 +145,7 @@ def main(cfg: DistillConfig) -> Path:
     steps, accepted, new_tokens = totals["steps"], totals["accepted"], totals["new_tokens"]
     wall = time.perf_counter() - t0
     print(f"[distill] wrote {out}: {new_tokens} new tokens in {wall:.0f}s ({new_tokens / max(wall, 1e-9):.1f} tok/s), "
-          f"tau {(steps + accepted) / max(steps, 1):.2f} with drafter {cfg.drafter}; {skipped} conversations did not fit the context")
+          f"tau {(steps + accepted) / max(steps, 1):.2f} with drafter {cfg.drafter}; {skipped} conversations skipped (first prompt over the context or max_prompt_tokens)")
     return out
 
 

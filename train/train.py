@@ -32,7 +32,10 @@ from selfdraft.features import FeatureStore, target_features
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.heads import head_type, load_head, save
 from selfdraft.heads.artifact import (
+    check_target,
     fingerprint,
+    load_state_strict,
+    read_head,
     replace_dir,
     save_head,
     target_info,
@@ -72,8 +75,34 @@ def batch_order(n: int, batch: int, seed: int, rank: int, world: int):
         epoch += 1
 
 
+def init_head(cfg: TrainConfig, model: torch.nn.Module) -> tuple[object, torch.nn.Module]:
+    """The head config and weights of ``cfg.init_head`` (continued training), checked against ``cfg.head`` and the target.
+
+    The saved config wins over the fresh-head options (sizes, EAGLE-3 feature layers and draft
+    vocabulary); the optimizer and schedule start afresh (``resume`` is for an interrupted run).
+    """
+    meta, tensors = read_head(cfg.init_head)
+    kind, want = meta.get("head_type"), "medusa" if cfg.head == "medusa2" else cfg.head
+    if kind != want:
+        raise ValueError(f"init_head {cfg.init_head} holds a '{kind}' head, but head={cfg.head} trains '{want}' heads")
+    if "medusa2" in meta:
+        raise ValueError(f"init_head {cfg.init_head} is a Medusa-2 head tied to its own merged target; start from a Medusa-1 head")
+    check_target(meta, model)
+    spec = head_type(kind)
+    head_cfg = spec.config_cls(**meta["head_config"])
+    head = spec.build(head_cfg, model)
+    load_state_strict(head, tensors, cfg.init_head)
+    print(f"[head] starting from {cfg.init_head} ({kind})")
+    if cfg.head == "medusa2":
+        backbone = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_modules.split())
+        return head_cfg, Medusa2(backbone, head)
+    return head_cfg, head
+
+
 def make_head(cfg: TrainConfig, model: torch.nn.Module, samples: list) -> tuple[object, torch.nn.Module]:
-    """The head config and a fresh head for ``cfg.head``."""
+    """The head config and a fresh head for ``cfg.head`` (or the one ``cfg.init_head`` holds)."""
+    if cfg.init_head:
+        return init_head(cfg, model)
     c = model.config
     if cfg.head == "medusa":
         head_cfg = MedusaConfig(c.hidden_size, c.vocab_size, cfg.num_heads, cfg.num_layers, cfg.share_lm_head)
