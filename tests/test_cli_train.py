@@ -94,3 +94,22 @@ def test_distill_then_features_commands(tiny_target_dir, data_file, tmp_path):
     manifest = json.loads((feats / "manifest.json").read_text())
     assert manifest["num_samples"] == 3 and manifest["indices"] == [-1], manifest
     assert "GB" in proc.stdout and "features:" in proc.stderr, "size estimate and progress bar expected"
+
+
+def test_main_job_script_trains_tunes_and_reports(tiny_target_dir, data_file, tmp_path):
+    """Guards the README's main job: the script trains, tunes, benchmarks and prints tau and speedup."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path / "job"), "STEPS": "2", "PROMPTS": "1", "TOKENS": "6",
+           "TARGET": str(tiny_target_dir), "DATA": str(data_file), "MAX_SAMPLES": "20", "MAX_LEN": "48",
+           "CONTEXT": "8", "SELFDRAFT_QUIET": "1"}
+    proc = subprocess.run(["bash", str(root / "scripts" / "main_job.sh")], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "job" / "head" / "tune.json").is_file()
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("[main job]")]
+    assert len(summary) == 1 and " tau " in summary[0] and "x HF generate" in summary[0], proc.stdout[-2000:]
+    rows = json.loads((tmp_path / "job" / "bench.json").read_text())["results"]
+    assert [r["decoder"] for r in rows] == ["hf", "plain", f"head:path={tmp_path / 'job'}/head"]

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The main job on the embedded default target (SmolLM2-135M-Instruct, bf16, this machine's cores):
+#   1. train a small EAGLE-3 head on the shipped ShareGPT (STEPS optimizer steps of 8 conversations),
+#   2. tune its draft tree to this machine (held-out ShareGPT prompts, not the benchmark's),
+#   3. generate on the first MT-bench questions with HF generate, plain decoding and the new head,
+#      print the table (tokens/s, speedup vs HF generate, tau, identity with plain decoding) and
+#      one summary line.
+# About 15 minutes on a 2-core CPU. A head trained this briefly drafts little (tau ~1.3-1.4); the
+# full recipe and the measured tables are in docs/benchmarks.md.
+#
+#   bash scripts/main_job.sh        # defaults: OUT=runs/main_job STEPS=50 PROMPTS=5 TOKENS=128
+# Other variables (the tests run it on a tiny target): TARGET, DATA, MAX_SAMPLES, MAX_LEN, CONTEXT.
+set -euo pipefail
+OUT=${OUT:-runs/main_job}
+STEPS=${STEPS:-50}
+PROMPTS=${PROMPTS:-5}
+TOKENS=${TOKENS:-128}
+TARGET=${TARGET:-smollm2}
+DATA=${DATA:-sharegpt}
+MAX_SAMPLES=${MAX_SAMPLES:-2000}
+MAX_LEN=${MAX_LEN:-512}
+CONTEXT=${CONTEXT:-256}
+START=$(date +%s)
+
+selfdraft train --config configs/train/smollm2_eagle3.yaml --target "$TARGET" --data "$DATA" \
+  --max-samples "$MAX_SAMPLES" --max-len "$MAX_LEN" --out-dir "$OUT" --max-steps "$STEPS" \
+  --warmup-steps 5 --eval-every 0 --save-every 0 --eval-tau-prompts 0 --report-to none
+selfdraft tune --head "$OUT/head" --target "$TARGET" --limit 4 --max-new-tokens 64 --max-nodes 16 \
+  --max-depth 4 --reps 3 --context "$CONTEXT"
+selfdraft bench --target "$TARGET" --limit "$PROMPTS" --max-new-tokens "$TOKENS" \
+  --decoders "hf plain head:path=$OUT/head" --out "$OUT/bench.json"
+
+python3 - "$OUT/bench.json" "$START" <<'PY'
+import json, sys, time
+rows = {r["decoder"]: r for r in json.load(open(sys.argv[1]))["results"]}
+head = next(r for name, r in rows.items() if name.startswith("head:"))
+print(f"[main job] EAGLE-3 head: tau {head['tau']:.2f}, {head['tokens_per_s']:.1f} tok/s = "
+      f"{head['speedup_vs_hf']:.2f}x HF generate ({rows['hf']['tokens_per_s']:.1f} tok/s); "
+      f"identical to plain decoding on {100 * head['identical_frac']:.0f}% of prompts (bf16; exact in fp32); "
+      f"{(time.time() - int(sys.argv[2])) / 60:.1f} min end to end")
+PY
