@@ -9,8 +9,11 @@
 # full recipe and the measured tables are in docs/benchmarks.md.
 #
 #   bash scripts/main_job.sh        # defaults: OUT=runs/main_job STEPS=50 PROMPTS=5 TOKENS=128
-# Other variables (the tests run it on a tiny target): TARGET, DATA, MAX_SAMPLES, MAX_LEN, CONTEXT.
+# Other variables (the tests run it on a tiny target): TARGET, DATA, MAX_SAMPLES, EVAL_SAMPLES, MAX_LEN, CONTEXT,
+# TUNE_PROMPTS, PYTHON (the interpreter that has selfdraft installed).
 set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
 OUT=${OUT:-runs/main_job}
 STEPS=${STEPS:-50}
 PROMPTS=${PROMPTS:-5}
@@ -18,19 +21,21 @@ TOKENS=${TOKENS:-128}
 TARGET=${TARGET:-smollm2}
 DATA=${DATA:-sharegpt}
 MAX_SAMPLES=${MAX_SAMPLES:-2000}
+EVAL_SAMPLES=${EVAL_SAMPLES:-32}
 MAX_LEN=${MAX_LEN:-512}
 CONTEXT=${CONTEXT:-256}
+TUNE_PROMPTS=${TUNE_PROMPTS:-sharegpt-heldout}
 START=$(date +%s)
 
-selfdraft train --config configs/train/smollm2_eagle3.yaml --target "$TARGET" --data "$DATA" \
-  --max-samples "$MAX_SAMPLES" --max-len "$MAX_LEN" --out-dir "$OUT" --max-steps "$STEPS" \
+"$PYTHON" -m selfdraft.cli train --config configs/train/smollm2_eagle3.yaml --target "$TARGET" --data "$DATA" \
+  --max-samples "$MAX_SAMPLES" --eval-samples "$EVAL_SAMPLES" --max-len "$MAX_LEN" --out-dir "$OUT" --max-steps "$STEPS" \
   --warmup-steps 5 --eval-every 0 --save-every 0 --eval-tau-prompts 0 --report-to none
-selfdraft tune --head "$OUT/head" --target "$TARGET" --limit 4 --max-new-tokens 64 --max-nodes 16 \
-  --max-depth 4 --reps 3 --context "$CONTEXT"
-selfdraft bench --target "$TARGET" --limit "$PROMPTS" --max-new-tokens "$TOKENS" \
+"$PYTHON" -m selfdraft.cli tune --head "$OUT/head" --target "$TARGET" --prompts "$TUNE_PROMPTS" --limit 4 \
+  --max-new-tokens 64 --max-nodes 16 --max-depth 4 --reps 3 --context "$CONTEXT"
+"$PYTHON" -m selfdraft.cli bench --target "$TARGET" --limit "$PROMPTS" --max-new-tokens "$TOKENS" \
   --decoders "hf plain head:path=$OUT/head" --out "$OUT/bench.json"
 
-python3 - "$OUT/bench.json" "$START" <<'PY'
+"$PYTHON" - "$OUT/bench.json" "$START" <<'PY'
 import json, sys, time
 rows = {r["decoder"]: r for r in json.load(open(sys.argv[1]))["results"]}
 head = next(r for name, r in rows.items() if name.startswith("head:"))

@@ -234,7 +234,13 @@ def main(cfg: TuneConfig) -> dict:
     target = load_target(cfg.target, dtype=cfg.dtype)
     model = target.model
     kind, head, _ = load_head(cfg.head, model)
-    prompts = [target.encode_chat(p) for p in load_prompts(cfg.prompts, cfg.limit)]
+    encoded = [target.encode_chat(p) for p in load_prompts(cfg.prompts, cfg.limit)]
+    prompts = [p for p in encoded if len(p) + cfg.max_new_tokens <= target.max_positions]
+    if len(prompts) < len(encoded):
+        print(f"[tune] {len(encoded) - len(prompts)} of {len(encoded)} prompts skipped: prompt + max_new_tokens "
+              f"over the target's {target.max_positions} positions")
+    if not prompts:
+        raise ValueError(f"no prompt of {cfg.prompts} fits the target's context with max_new_tokens {cfg.max_new_tokens}")
     gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
     budgets = [b for b in BUDGETS if b <= cfg.max_nodes]
 

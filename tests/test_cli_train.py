@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -98,15 +100,14 @@ def test_distill_then_features_commands(tiny_target_dir, data_file, tmp_path):
 
 def test_main_job_script_trains_tunes_and_reports(tiny_target_dir, data_file, tmp_path):
     """Guards the README's main job: the script trains, tunes, benchmarks and prints tau and speedup."""
-    import os
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
+    prompts = tmp_path / "tune_prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "say abc"}) + "\n" + json.dumps({"prompt": "say xyz"}))
     env = {**os.environ, "OUT": str(tmp_path / "job"), "STEPS": "2", "PROMPTS": "1", "TOKENS": "6",
-           "TARGET": str(tiny_target_dir), "DATA": str(data_file), "MAX_SAMPLES": "20", "MAX_LEN": "48",
-           "CONTEXT": "8", "SELFDRAFT_QUIET": "1"}
+           "TARGET": str(tiny_target_dir), "DATA": str(data_file), "MAX_SAMPLES": "20", "EVAL_SAMPLES": "4", "MAX_LEN": "48",
+           "CONTEXT": "8", "TUNE_PROMPTS": str(prompts), "PYTHON": sys.executable, "SELFDRAFT_QUIET": "1"}
     proc = subprocess.run(["bash", str(root / "scripts" / "main_job.sh")], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=root)
+                          timeout=600, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "job" / "head" / "tune.json").is_file()
     summary = [line for line in proc.stdout.splitlines() if line.startswith("[main job]")]

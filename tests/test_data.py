@@ -102,3 +102,23 @@ def test_shipped_sharegpt_recovers_17671_records():
     _, report = load_conversations(sharegpt_path())
     assert report.records == 17671, report.describe()
     assert report.truncated_bytes > 0
+
+
+@pytest.mark.slow
+def test_sharegpt_heldout_prompts_are_disjoint_from_training_records():
+    """Guards tune's default prompt set: user turns of the last records, far from the records training reads first."""
+    from selfdraft.benchmark import HELDOUT_MAX_CHARS, load_conversations as load_prompt_set, sharegpt_heldout
+    from selfdraft.data import sharegpt_path
+
+    held = sharegpt_heldout(50)
+    records, _ = load_conversations(sharegpt_path())
+    used = []  # record index of each held-out prompt, walking back from the end
+    for i in range(len(records) - 1, -1, -1):
+        user = [m["content"] for m in records[i] if m["role"] == "user"]
+        if user and user[0].strip() and len(user[0]) <= HELDOUT_MAX_CHARS:
+            used.append(i)
+        if len(used) == 50:
+            break
+    assert [c.turns for c in held] == [tuple(m["content"] for m in records[i] if m["role"] == "user") for i in used]
+    assert min(used) > 10_000  # training configs read the first few thousand records
+    assert [c.turns for c in load_prompt_set("sharegpt-heldout", 5, "first")] == [c.turns[:1] for c in held[:5]]

@@ -51,8 +51,18 @@ def test_distill_regenerates_with_the_target_and_resumes(tiny_target_dir, tmp_pa
     assert out.read_text().splitlines() == lines
     loaded, report = load_conversations(out)
     assert len(loaded) == 4 and report.kept == 4
-    # batched regeneration (continuous batching, two slots, three in flight per chunk) writes the same greedy records
+    # batched regeneration (continuous batching, two slots, all four conversations in one chunk) writes the same greedy records
     batched = tmp_path / "batched.jsonl"
     distill.main(distill.DistillConfig(target=str(tiny_target_dir), dtype="float32", data=str(data), max_samples=0,
                                        max_new_tokens=6, out=str(batched), drafter="prompt_lookup", batch_size=2))
     assert batched.read_text().splitlines() == lines
+    # max_prompt_tokens: a turn whose prompt is longer ends its conversation there (earlier replies kept)
+    first_prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("abc abc", "hi", "xyz", "q q q")]
+    limited = tmp_path / "limited.jsonl"
+    distill.main(distill.DistillConfig(target=str(tiny_target_dir), dtype="float32", data=str(data), max_samples=0,
+                                       max_new_tokens=6, out=str(limited), drafter="none", batch_size=2,
+                                       max_prompt_tokens=max(len(p) for p in first_prompts)))
+    cut = [json.loads(line) for line in limited.read_text().splitlines()]
+    assert [r["id"] for r in cut] == [0, 1, 2, 3]
+    assert [t["from"] for t in cut[1]["conversations"]] == ["human", "gpt", "human"]
+    assert cut[1]["conversations"][1] == records[1]["conversations"][1]

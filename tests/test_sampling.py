@@ -8,9 +8,11 @@ import pytest
 import torch
 from conftest import VOCAB, random_prompt, tiny_model
 from scipy.stats import chisquare
+from test_eagle3 import make_head
 
 from selfdraft.acceptance import accept_sampling, accept_typical
-from selfdraft.drafters import DraftModelDrafter, layer_skip_drafter
+from selfdraft.drafters import DraftModelDrafter, MergedDrafter, PromptLookupDrafter, layer_skip_drafter
+from selfdraft.drafters.eagle import EagleDrafter
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.sampling import SamplingConfig, logits_to_probs
 from selfdraft.tree import tree_from_parents
@@ -138,7 +140,7 @@ def exact_third_token(model, prompt: list[int], cfg: SamplingConfig) -> torch.Te
     return torch.einsum("a,ab,abc->c", p1, p2, p3), torch.einsum("a,ab->b", p1, p2)
 
 
-@pytest.mark.parametrize("drafter_name", ["draft_model", "layer_skip"])
+@pytest.mark.parametrize("drafter_name", ["draft_model", "layer_skip", "merged"])
 def test_generation_tokens_follow_target_distribution(drafter_name):
     """Guards the full engine in sampling mode: x2 and x3 of real generations match the exact marginals."""
     model = tiny_model("llama", seed=3)
@@ -150,11 +152,14 @@ def test_generation_tokens_follow_target_distribution(drafter_name):
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.3 * p.std())
+    head = make_head(model, scale=20.0) if drafter_name == "merged" else None
     counts2, counts3 = torch.zeros(VOCAB), torch.zeros(VOCAB)
     accepted = 0
     for i in range(1500):
         if drafter_name == "draft_model":
             drafter = DraftModelDrafter(draft, gamma=2)
+        elif drafter_name == "merged":  # an EAGLE tree and prompt lookup (1-grams) in one tree
+            drafter = MergedDrafter([EagleDrafter(head, depth=2, top_k=8, total_tokens=12), PromptLookupDrafter(min_ngram=1)])
         else:
             drafter = layer_skip_drafter(model, layers=3, gamma=2)
         out = generate(model, prompt, drafter, GenerationConfig(max_new_tokens=3, sampling=cfg, seed=i))

@@ -9,8 +9,13 @@ human turns and the target's own earlier replies, through this project's specula
 lookup by default, or a trained head: identical greedy text, fewer target forwards).
 
 Output: ShareGPT JSONL (``{"id", "conversations": [{"from", "value"}]}``), one line per conversation,
-flushed as it is written. Rerunning with the same ``out`` resumes after the last complete line (a
-line cut by a crash is dropped and redone).
+flushed after each chunk of conversations. Rerunning with the same ``out`` resumes: ids already
+written are skipped (a line cut by a crash is dropped and redone).
+
+``batch_size > 1`` regenerates with continuous batching (one batched target forward per step). Greedy
+replies are the target's argmax either way (bit-identical in fp32; in bf16 a padded batched forward
+may round differently). Sampled replies (temperature > 0) in batch mode share one generator per
+round: reproducible for the same batch_size and data, not equal to the batch_size=1 samples.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from tqdm import tqdm
 from selfdraft.batch import TreePolicy, generate_batch
 from selfdraft.config import load
 from selfdraft.data import load_conversations, sharegpt_path
-from selfdraft.drafters import build_drafter
+from selfdraft.drafters import drafter_factory
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.progress import quiet
 from selfdraft.sampling import SamplingConfig
@@ -122,9 +127,11 @@ def main(cfg: DistillConfig) -> Path:
                                on_context_overflow="truncate")
     max_pos = int(getattr(target.model.config, "max_position_embeddings", 1 << 20))
     name, options = parse_decoder(cfg.drafter) if cfg.drafter != "none" else (None, {})
-    make_drafter = (lambda: build_drafter(name, target.model, **options)) if name else None
+    make_drafter = drafter_factory(name, target.model, **options) if name else None  # a head folder is read once
     todo = [(idx, messages) for idx, messages in enumerate(conversations) if idx not in done]
-    chunk = max(1, cfg.batch_size) * 4  # conversations regenerated together (turn by turn) before being written
+    # conversations regenerated together (turn by turn) before they are written: one at a time
+    # without batching (a crash loses at most one), four batches' worth with it (slots stay full)
+    chunk = 1 if cfg.batch_size == 1 else cfg.batch_size * 4
     totals = {"steps": 0, "accepted": 0, "new_tokens": 0}
     skipped = 0
     t0 = time.perf_counter()
@@ -140,7 +147,7 @@ def main(cfg: DistillConfig) -> Path:
                     continue
                 record = {"id": idx, "conversations": [{"from": ROLE_OUT[m["role"]], "value": m["content"]} for m in history]}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            f.flush()  # a chunk is written whole; a crash mid-chunk redoes it on resume
+            f.flush()  # a crash mid-chunk leaves whole lines (resume skips their ids) and maybe a partial last one (dropped)
             bar.update(len(part))
     steps, accepted, new_tokens = totals["steps"], totals["accepted"], totals["new_tokens"]
     wall = time.perf_counter() - t0

@@ -30,11 +30,9 @@ from selfdraft.config import load
 from selfdraft.data import collate, load_conversations, prepare_samples, sharegpt_path
 from selfdraft.features import FeatureStore, target_features
 from selfdraft.generate import GenerationConfig, generate
-from selfdraft.heads import head_type, load_head, save
+from selfdraft.heads import build_head, head_type, load_head, save
 from selfdraft.heads.artifact import (
-    check_target,
     fingerprint,
-    load_state_strict,
     read_head,
     replace_dir,
     save_head,
@@ -87,11 +85,7 @@ def init_head(cfg: TrainConfig, model: torch.nn.Module) -> tuple[object, torch.n
         raise ValueError(f"init_head {cfg.init_head} holds a '{kind}' head, but head={cfg.head} trains '{want}' heads")
     if "medusa2" in meta:
         raise ValueError(f"init_head {cfg.init_head} is a Medusa-2 head tied to its own merged target; start from a Medusa-1 head")
-    check_target(meta, model)
-    spec = head_type(kind)
-    head_cfg = spec.config_cls(**meta["head_config"])
-    head = spec.build(head_cfg, model)
-    load_state_strict(head, tensors, cfg.init_head)
+    _, head_cfg, head = build_head(meta, tensors, model, cfg.init_head)
     print(f"[head] starting from {cfg.init_head} ({kind})")
     if cfg.head == "medusa2":
         backbone = attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_modules.split())

@@ -10,6 +10,7 @@ from torch import nn
 from selfdraft.drafters.base import Draft, Drafter, StepResult, root_only
 from selfdraft.drafters.draft_model import DraftModelDrafter
 from selfdraft.drafters.layer_skip import layer_skip_drafter
+from selfdraft.drafters.merged import MergedDrafter, merge_drafts
 from selfdraft.drafters.prompt_lookup import PromptLookupDrafter
 
 
@@ -25,18 +26,23 @@ def _head(target: nn.Module, path: str, **options) -> Drafter:
     return _head_factory(target, path, **options)()
 
 
-def _head_factory(target: nn.Module, path: str, **options) -> Callable[[], Drafter]:
+def _head_factory(target: nn.Module, path: str, lookup: int = 0, **options) -> Callable[[], Drafter]:
     """Read the head folder once; drafters built from it share the head module. Options default to
-    the folder's tune.json (the tree ``selfdraft tune`` picked for this machine)."""
+    the folder's tune.json (the tree ``selfdraft tune`` picked for this machine). ``lookup=N`` (> 0)
+    merges a prompt-lookup continuation of up to N tokens into every head tree (MergedDrafter)."""
     from selfdraft.heads import head_type, load_head
     from selfdraft.tune import read_tuned
 
+    if int(lookup) < 0:
+        raise ValueError(f"lookup must be >= 0 draft tokens, got {lookup}")
     kind, head, _ = load_head(path, target)
     tuned = read_tuned(path)
     if tuned:
         shown = {k: v for k, v in tuned.items() if k != "paths"} or f"{len(tuned['paths'])} paths"
         print(f"[head] tree tuned for this machine (tune.json): {shown}; options given here override it", file=sys.stderr)
     settings = {**tuned, **options}
+    if int(lookup):
+        return lambda: MergedDrafter([head_type(kind).drafter(head, **settings), PromptLookupDrafter(num_tokens=int(lookup))])
     return lambda: head_type(kind).drafter(head, **settings)
 
 
@@ -79,10 +85,12 @@ __all__ = [
     "Draft",
     "DraftModelDrafter",
     "Drafter",
+    "MergedDrafter",
     "PromptLookupDrafter",
     "StepResult",
     "build_drafter",
     "drafter_factory",
     "layer_skip_drafter",
+    "merge_drafts",
     "root_only",
 ]

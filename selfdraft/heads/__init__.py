@@ -65,15 +65,22 @@ def head_type(name: str) -> HeadType:
     return HEADS[name]
 
 
-def load_head(path: str | Path, target: nn.Module) -> tuple[str, nn.Module, dict]:
-    """Load a head folder for ``target`` (checked); returns (head type, module, config.json)."""
-    meta, tensors = read_head(path)
+def build_head(meta: dict, tensors: dict, target: nn.Module, path: str | Path) -> tuple[str, object, nn.Module]:
+    """(head type, config, module) from a head folder's config.json and tensors, checked against
+    ``target``, every tensor loaded strictly; the module keeps its parameters' dtype and grad flags."""
     kind = meta.get("head_type")
     spec = head_type(kind)
     check_target(meta, target)
     cfg = spec.config_cls(**meta["head_config"])
     head = spec.build(cfg, target)
     load_state_strict(head, tensors, path)
+    return kind, cfg, head
+
+
+def load_head(path: str | Path, target: nn.Module) -> tuple[str, nn.Module, dict]:
+    """Load a head folder for ``target`` (checked) for drafting; returns (head type, module, config.json)."""
+    meta, tensors = read_head(path)
+    kind, _, head = build_head(meta, tensors, target, path)
     dtype = target.get_input_embeddings().weight.dtype
     head.to(dtype=dtype, device=next(target.parameters()).device).eval().requires_grad_(False)
     n = sum(p.numel() for p in head.parameters())
@@ -86,4 +93,4 @@ def save(path: str | Path, kind: str, cfg: object, head: nn.Module, target: nn.M
     return save_head(path, kind, cfg, head, target_info(target, target_name))
 
 
-__all__ = ["HEADS", "Eagle1Config", "Eagle1Head", "Eagle3Config", "Eagle3Head", "HeadMismatchError", "MedusaConfig", "MedusaHeads", "head_type", "load_head", "save"]
+__all__ = ["HEADS", "Eagle1Config", "Eagle1Head", "Eagle3Config", "Eagle3Head", "HeadMismatchError", "MedusaConfig", "MedusaHeads", "build_head", "head_type", "load_head", "save"]

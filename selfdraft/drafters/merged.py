@@ -1,0 +1,71 @@
+"""Several deterministic drafters merged into one draft tree (e.g. a trained head + prompt lookup).
+
+Every member proposes its own tree from the same root; the trees are merged as a trie (paths that
+agree token for token share their nodes), so the target verifies all candidates in one forward and
+the acceptance rule keeps the longest agreeing path. A trained head guesses the language, prompt
+lookup copies spans of the context: they miss on different tokens, and the merged tree keeps both.
+Every member is told each step's outcome, so each keeps (and rolls back) its own state.
+
+Members must draft deterministically (``Draft.q is None``: children are a function of the context),
+which keeps sampling lossless for the merged tree as for each member; a member that draws its
+children at random cannot be merged, because its q would not describe the merged siblings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from selfdraft.drafters.base import Draft, Drafter, StepResult
+from selfdraft.sampling import SamplingConfig
+from selfdraft.tree import tree_from_parents
+
+
+def merge_drafts(drafts: Sequence[Draft]) -> Draft:
+    """Union of deterministic drafts with the same root, as a trie in topological order.
+
+    The first draft's nodes keep their order; each later draft adds only the nodes whose path is
+    new. Raises ValueError for drafts with different roots or with a sampling distribution q.
+    """
+    root = int(drafts[0].tokens[0])
+    parents, tokens = [-1], [root]
+    node_of: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+    for draft in drafts:
+        if draft.q is not None:
+            raise ValueError("only deterministic drafts (q=None) can be merged: a drafter that samples its "
+                             "children cannot share a tree without breaking lossless sampling")
+        if int(draft.tokens[0]) != root:
+            raise ValueError(f"drafts to merge must share the root: {int(draft.tokens[0])} != {root}")
+        merged = [0]  # merged node of each node of this draft
+        for parent, token in zip(draft.tree.parents[1:].tolist(), draft.tokens[1:].tolist()):
+            key = (merged[parent], token)
+            node = node_of.get(key)
+            if node is None:
+                node = node_of[key] = len(parents)
+                parents.append(key[0])
+                tokens.append(token)
+            merged.append(node)
+    return Draft(tree_from_parents(parents), torch.tensor(tokens, dtype=torch.long))
+
+
+class MergedDrafter:
+    """Drafts with every member and verifies the union of their trees."""
+
+    def __init__(self, drafters: Sequence[Drafter]):
+        if not drafters:
+            raise ValueError("MergedDrafter needs at least one drafter")
+        self.drafters = list(drafters)
+        self.hidden_layers = tuple(dict.fromkeys(i for d in self.drafters for i in d.hidden_layers))
+
+    def reset(self, step: StepResult) -> None:
+        for d in self.drafters:
+            d.reset(step)
+
+    def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        return merge_drafts([d.propose(tokens, sampling, generator) for d in self.drafters])
+
+    def update(self, step: StepResult) -> None:
+        for d in self.drafters:
+            d.update(step)
