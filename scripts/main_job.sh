@@ -37,7 +37,7 @@ START=$(date +%s)
 
 "$PYTHON" - "$OUT/bench.json" "$START" <<'PY'
 import json, sys, time
-rows = [r for r in json.load(open(sys.argv[1]))["results"]]
+rows = json.load(open(sys.argv[1]))["results"]
 hf = next(r for r in rows if r["decoder"] == "hf")
 for r in rows:
     if r["decoder"].startswith("head:"):

@@ -117,7 +117,8 @@ def sharegpt_heldout(limit: int | None) -> list[Conversation]:
     HELDOUT_MAX_CHARS characters (code dumps, pasted documents) are left out; system messages are
     not kept. ``limit`` None: every such record, last first.
     """
-    from selfdraft.data import load_conversations as load_sharegpt, sharegpt_path
+    from selfdraft.data import load_conversations as load_sharegpt
+    from selfdraft.data import sharegpt_path
 
     records, _ = load_sharegpt(sharegpt_path())
     out = []

@@ -344,10 +344,9 @@ def _program(name: str):
     return module, path
 
 
-def _run_program(name: str, cfg, schema: type, out: Output) -> None:
+def _run_program(name: str, cfg, schema: type) -> None:
     """In-process ``main(cfg)``, or ``accelerate launch`` with the options as key=value overrides."""
     import subprocess
-
 
     fields = {f.name for f in dataclasses.fields(schema)}
     values = {k: v for k, v in dataclasses.asdict(cfg).items() if k in fields}
@@ -394,11 +393,11 @@ def commands() -> dict[str, Command]:
                           ("quiet", "json"), positional="head"),
         "import": Command(ImportConfig, run_import, "read a head in an engine layout (exported or released) into this project's format",
                           ("quiet", "json"), positional="src"),
-        "train": Command(_train_schema(), lambda cfg, out: _run_program("train", cfg, TrainConfig, out),
+        "train": Command(_train_schema(), lambda cfg, out: _run_program("train", cfg, TrainConfig),
                          "train a draft head on a frozen target (train/train.py; --config configs/train/*.yaml)", ("quiet",)),
-        "features": Command(TrainConfig, lambda cfg, out: _run_program("dump_features", cfg, TrainConfig, out),
+        "features": Command(TrainConfig, lambda cfg, out: _run_program("dump_features", cfg, TrainConfig),
                             "write a training config's target features to disk (train/dump_features.py)", ("quiet",)),
-        "distill": Command(DistillConfig, lambda cfg, out: _run_program("distill", cfg, DistillConfig, out),
+        "distill": Command(DistillConfig, lambda cfg, out: _run_program("distill", cfg, DistillConfig),
                            "regenerate a conversation set's replies with the target (train/distill.py)", ("quiet",)),
     }
 

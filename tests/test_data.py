@@ -107,7 +107,8 @@ def test_shipped_sharegpt_recovers_17671_records():
 @pytest.mark.slow
 def test_sharegpt_heldout_prompts_are_disjoint_from_training_records():
     """Guards tune's default prompt set: user turns of the last records, far from the records training reads first."""
-    from selfdraft.benchmark import HELDOUT_MAX_CHARS, load_conversations as load_prompt_set, sharegpt_heldout
+    from selfdraft.benchmark import HELDOUT_MAX_CHARS, sharegpt_heldout
+    from selfdraft.benchmark import load_conversations as load_prompt_set
     from selfdraft.data import sharegpt_path
 
     held = sharegpt_heldout(50)

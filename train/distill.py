@@ -57,7 +57,7 @@ def completed_ids(path: Path) -> set[int]:
 
 
 def regenerate(target, conversations: list[list[dict]], ids: list[int], make_drafter, gen_cfg: GenerationConfig,
-               cfg: DistillConfig, max_pos: int, totals: dict[str, int]) -> list[list[dict]]:
+               cfg: DistillConfig, totals: dict[str, int]) -> list[list[dict]]:
     """Regenerate the assistant turns of several conversations, turn by turn; returns their new histories.
 
     Round k regenerates the k-th assistant turn of every conversation that still has one (and whose
@@ -79,7 +79,7 @@ def regenerate(target, conversations: list[list[dict]], ids: list[int], make_dra
             if cursors[c] >= len(messages):
                 continue  # no assistant turn left
             prompt = target.encode_chat(history)
-            if len(prompt) >= max_pos or (cfg.max_prompt_tokens and len(prompt) > cfg.max_prompt_tokens):
+            if len(prompt) >= target.max_positions or (cfg.max_prompt_tokens and len(prompt) > cfg.max_prompt_tokens):
                 continue  # the rest of this conversation does not fit (the context, or the prompt limit)
             asks.append((c, prompt))
         replies: list[tuple[list[int], object]] = []
@@ -125,7 +125,6 @@ def main(cfg: DistillConfig) -> Path:
     done = completed_ids(out)
     gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=SamplingConfig(cfg.temperature),
                                on_context_overflow="truncate")
-    max_pos = int(getattr(target.model.config, "max_position_embeddings", 1 << 20))
     name, options = parse_decoder(cfg.drafter) if cfg.drafter != "none" else (None, {})
     make_drafter = drafter_factory(name, target.model, **options) if name else None  # a head folder is read once
     todo = [(idx, messages) for idx, messages in enumerate(conversations) if idx not in done]
@@ -140,7 +139,7 @@ def main(cfg: DistillConfig) -> Path:
         for start in range(0, len(todo), chunk):
             part = todo[start : start + chunk]
             histories = regenerate(target, [m for _, m in part], [idx for idx, _ in part], make_drafter,
-                                   gen_cfg, cfg, max_pos, totals)
+                                   gen_cfg, cfg, totals)
             for (idx, _), history in zip(part, histories):
                 if not any(m["role"] == "assistant" for m in history):
                     skipped += 1

@@ -33,7 +33,8 @@ def _head_factory(target: nn.Module, path: str, lookup: int = 0, **options) -> C
     from selfdraft.heads import head_type, load_head
     from selfdraft.tune import read_tuned
 
-    if int(lookup) < 0:
+    lookup = int(lookup)
+    if lookup < 0:
         raise ValueError(f"lookup must be >= 0 draft tokens, got {lookup}")
     kind, head, _ = load_head(path, target)
     tuned = read_tuned(path)
@@ -41,8 +42,8 @@ def _head_factory(target: nn.Module, path: str, lookup: int = 0, **options) -> C
         shown = {k: v for k, v in tuned.items() if k != "paths"} or f"{len(tuned['paths'])} paths"
         print(f"[head] tree tuned for this machine (tune.json): {shown}; options given here override it", file=sys.stderr)
     settings = {**tuned, **options}
-    if int(lookup):
-        return lambda: MergedDrafter([head_type(kind).drafter(head, **settings), PromptLookupDrafter(num_tokens=int(lookup))])
+    if lookup:
+        return lambda: MergedDrafter([head_type(kind).drafter(head, **settings), PromptLookupDrafter(num_tokens=lookup)])
     return lambda: head_type(kind).drafter(head, **settings)
 
 
