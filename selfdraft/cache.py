@@ -151,10 +151,13 @@ class RaggedLayer(CacheLayerMixin):
             setattr(self, name, new)
         self.max_len = new_len
 
-    def _index(self, slots: Tensor, like: Tensor) -> Tensor:
-        """(batch, n) slot indices -> (batch, heads, n, dim) gather/scatter indices shaped like ``like``."""
-        n = slots.shape[1]
-        return slots.to(self.device)[:, None, :, None].expand(like.shape[0], like.shape[1], n, like.shape[-1])
+    def _rows(self, slots: Tensor, heads: int) -> Tensor:
+        """(batch, n) slot indices -> the matching rows of the buffers' (batch * heads * max_len, dim) view,
+        ordered (batch, head, n) like a (batch, heads, n, dim) tensor's rows. Whole rows of ``dim``
+        elements move with one index each (an element-wise scatter reads one int64 per element)."""
+        batch, n = slots.shape
+        row = torch.arange(batch)[:, None, None] * heads + torch.arange(heads)[None, :, None]
+        return (row * self.max_len + slots[:, None, :]).reshape(batch * heads * n).to(self.device)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:
@@ -163,9 +166,9 @@ class RaggedLayer(CacheLayerMixin):
         end = int(self.lengths.max()) + n
         if end > self.max_len:
             self._grow(max(end, 2 * self.max_len))
-        slots = self.lengths[:, None] + torch.arange(n)
-        self.keys.scatter_(2, self._index(slots, key_states), key_states)
-        self.values.scatter_(2, self._index(slots, value_states), value_states)
+        rows = self._rows(self.lengths[:, None] + torch.arange(n), key_states.shape[1])
+        for buf, new in ((self.keys, key_states), (self.values, value_states)):
+            buf.view(-1, buf.shape[-1]).index_copy_(0, rows, new.reshape(-1, buf.shape[-1]))
         self.lengths = self.lengths + n
         return self.keys[:, :, :end], self.values[:, :, :end]
 
@@ -195,11 +198,13 @@ class RaggedLayer(CacheLayerMixin):
         """
         k = keep.shape[1]
         if self.is_initialized and k:
-            src = starts[:, None] + keep
-            dst = starts[:, None] + torch.arange(k)
+            heads = self.keys.shape[1]
+            src = self._rows(starts[:, None] + keep, heads)
+            dst = self._rows(starts[:, None] + torch.arange(k), heads)
             for buf in (self.keys, self.values):
-                # gather copies first, so overlapping source and destination are safe
-                buf.scatter_(2, self._index(dst, buf), buf.gather(2, self._index(src, buf)))
+                flat = buf.view(-1, buf.shape[-1])
+                # index_select copies first, so overlapping source and destination are safe
+                flat.index_copy_(0, dst, flat.index_select(0, src))
         self.lengths = starts + counts
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -9,7 +9,7 @@ from conftest import VOCAB, random_prompt, tiny_model
 from selfdraft.drafters.eagle import EagleDrafter
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.heads import Eagle3Config, Eagle3Head, load_head, save
-from selfdraft.heads.eagle3 import eagle3_loss, select_draft_vocab, ttt_mask
+from selfdraft.heads.eagle3 import eagle3_loss, select_draft_vocab, ttt_attention, ttt_mask
 from selfdraft.sampling import SamplingConfig
 
 
@@ -35,6 +35,27 @@ def test_ttt_mask_matches_explicit_construction():
         for i in range(1, step + 1):
             want[t, i * seq + t] = True
     assert torch.equal(ttt_mask(seq, step), want)
+
+
+@pytest.mark.parametrize("step", [0, 1, 3])
+def test_ttt_attention_equals_sdpa_under_the_full_mask(step):
+    """Guards the fast TTT attention: values and gradients equal SDPA over the materialised ttt_mask, with padding."""
+    torch.manual_seed(step)
+    b, h, s, d = 2, 3, 7, 8
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    keys = [torch.randn(b, h, s, d, requires_grad=True) for _ in range(step + 1)]
+    values = [torch.randn(b, h, s, d, requires_grad=True) for _ in range(step + 1)]
+    key_mask = torch.ones(b, s, dtype=torch.bool)
+    key_mask[1, 5:] = False  # right padding in the second row
+    full = ttt_mask(s, step)[None, None] & key_mask.repeat(1, step + 1)[:, None, None, :]
+    want = torch.nn.functional.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=full)
+    got = ttt_attention(q, keys, values, key_mask)
+    assert torch.allclose(got, want, atol=1e-5)
+    weights = torch.randn_like(want)
+    grads_want = torch.autograd.grad((want * weights).sum(), [q, *keys, *values])
+    grads_got = torch.autograd.grad((got * weights).sum(), [q, *keys, *values])
+    for a, b_ in zip(grads_got, grads_want, strict=True):
+        assert torch.allclose(a, b_, atol=1e-5)
 
 
 def test_draft_vocab_maps_round_trip():
@@ -98,6 +119,9 @@ def test_eagle3_loss_matches_hand_computation():
     assert torch.allclose(losses[0], want[0], atol=1e-5), (losses[0], want[0])
     assert torch.allclose(losses[1], want[1], atol=1e-5), (losses[1], want[1])
     assert torch.allclose(loss, want[0] + 0.5 * want[1], atol=1e-5)
+    with torch.no_grad():  # logits given at the draft ids only (what training computes) give the same loss
+        restricted, _, _ = eagle3_loss(head, features, ids, target_logits[..., head.draft_ids], lmask, attn, steps=2, decay=0.5)
+    assert torch.allclose(restricted, loss, atol=1e-6)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])

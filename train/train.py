@@ -146,8 +146,13 @@ def head_loss(cfg: TrainConfig, head, target, batch, feats: dict | None = None) 
     if cfg.head == "medusa":
         loss, losses, accs = medusa_loss(head(last), ids, lmask, cfg.loss_decay)
     else:
+        lm_head = target.get_output_embeddings()
         with torch.no_grad():  # the target's logits, from its (shared, frozen) lm_head
-            logits = target.get_output_embeddings()(last.to(target.get_output_embeddings().weight.dtype))
+            if cfg.head == "eagle3":  # only the draft vocabulary's rows: the loss reads nothing else
+                rows = lm_head.weight[(head.module if hasattr(head, "module") else head).draft_ids]
+                logits = torch.nn.functional.linear(last.to(rows.dtype), rows)
+            else:
+                logits = lm_head(last.to(lm_head.weight.dtype))
         # through the (possibly DDP-wrapped) module's forward, so gradients are synchronised
         if cfg.head == "eagle1":
             noise = cfg.feature_noise if head.training else 0.0

@@ -70,7 +70,16 @@ class MidLayer(nn.Module):
         return self.self_attn.project(x, positions)
 
     def finish(self, feature: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        h = feature + self.self_attn.attend(q, k, v, mask)
+        return self.residual(feature, self.self_attn.attend(q, k, v, mask))
+
+    def finish_ttt(self, feature: Tensor, q: Tensor, keys: list[Tensor], values: list[Tensor], key_mask: Tensor) -> Tensor:
+        """:meth:`finish` for unrolled training step ``len(keys) - 1`` under the :func:`ttt_mask`, without materialising it."""
+        attn = self.self_attn
+        out = ttt_attention(q, [attn.expand_kv(k) for k in keys], [attn.expand_kv(v) for v in values], key_mask)
+        return self.residual(feature, attn.output(out))
+
+    def residual(self, feature: Tensor, attended: Tensor) -> Tensor:
+        h = feature + attended
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -145,6 +154,31 @@ def ttt_mask(seq: int, step: int, device: torch.device | None = None) -> Tensor:
     return torch.cat([causal] + [diag] * step, dim=1)
 
 
+def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], key_mask: Tensor) -> Tensor:
+    """Attention of unrolled step j = len(keys) - 1 under ``ttt_mask(s, j) & key_mask``, in O(s^2 + j s) scores.
+
+    q: (b, h, s, d); keys, values: per step (b, h, s, d); key_mask: (b, s) bool (False = padding).
+    Query t sees the step-0 keys at positions <= t and, of every later step, only the key at t: so
+    the later steps add one score per query (a row-wise dot product), not an (s, s) block each. One
+    softmax runs over the causal scores and the j extra scores together; the output is the step-0
+    attention plus each later step's value weighted by its score. Equal to SDPA under the full
+    (s, s * (j + 1)) mask, whose cost grows with j^2 over an unrolled run.
+    """
+    scale = q.shape[-1] ** -0.5
+    s = q.shape[2]
+    causal = torch.tril(torch.ones(s, s, dtype=torch.bool, device=q.device))[None, None] & key_mask[:, None, None, :]
+    scores = (q @ keys[0].transpose(-1, -2)) * scale
+    extra = [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]
+    neg = torch.finfo(scores.dtype).min
+    scores = scores.masked_fill(~causal, neg)
+    extra = [e.masked_fill(~key_mask[:, None, :, None], neg) for e in extra]
+    weights = torch.softmax(torch.cat([scores, *extra], -1).float(), -1).to(q.dtype)
+    out = weights[..., :s] @ values[0]
+    for i, v in enumerate(values[1:]):
+        out = out + weights[..., s + i : s + i + 1] * v
+    return out
+
+
 def eagle3_loss(
     head: Eagle3Head,
     features: Tensor,
@@ -158,13 +192,17 @@ def eagle3_loss(
     """EAGLE-3 training loss with training-time test.
 
     features: (b, s, 3H) fused-layer target features; input_ids, loss_mask, attention_mask: (b, s);
-    target_logits: (b, s, V) target logits. Step j predicts token t+2+j from position t; its target
+    target_logits: (b, s, V) target logits, or (b, s, draft_vocab) already at the draft ids. Step j predicts token t+2+j from position t; its target
     is the target's distribution at position t+1+j restricted to the draft vocabulary. Returns
     (sum_j decay^j * loss_j, per-step losses, per-step top-1 accuracies against the target argmax).
     """
     b, s, _ = features.shape
     embed = head.embed
-    draft_ids = head.draft_ids
+    if target_logits.shape[-1] != head.cfg.draft_vocab_size:  # full-vocabulary logits: keep the draft ids
+        target_logits = target_logits[..., head.draft_ids]
+    # the target distribution restricted to the draft vocabulary and renormalised, once for all steps
+    p_all = torch.softmax(target_logits.float(), -1)
+    key_mask = attention_mask.bool()
     positions = torch.arange(s, device=features.device)[None].expand(b, s)
     feature = head.fuse(features)
     keys: list[Tensor] = []
@@ -180,21 +218,16 @@ def eagle3_loss(
         q, k, v = head.midlayer.qkv(emb, feature, positions + j)
         keys.append(k)
         values.append(v)
-        pad = attention_mask.bool()[:, None, None, :].repeat(1, 1, 1, j + 1)
-        mask = ttt_mask(s, j, features.device)[None, None] & pad
-        h = head.midlayer.finish(feature, q, torch.cat(keys, 2), torch.cat(values, 2), mask)
-        logits = head.logits(h)
-        # target distribution at t+1+j, restricted to the draft vocabulary and renormalised
-        tgt = torch.cat([target_logits[:, 1 + j :], target_logits.new_zeros(b, 1 + j, target_logits.shape[-1])], 1)
-        p = torch.softmax(tgt[..., draft_ids].float(), -1)
-        valid = torch.cat([loss_mask[:, 1 + j :], loss_mask.new_zeros(b, 1 + j)], 1).bool()
-        # positions t + 2 + j beyond the sequence have no label
-        valid &= torch.cat([attention_mask[:, 2 + j :], attention_mask.new_zeros(b, 2 + j)], 1).bool()
+        h = head.midlayer.finish_ttt(feature, q, keys, values, key_mask)
+        # positions t = 0 .. n-1 have a label t+2+j inside the sequence; the target there is p at t+1+j
+        n = s - 2 - j
+        valid = loss_mask[:, 1 + j : 1 + j + n].bool() & key_mask[:, 2 + j : 2 + j + n]
         if bool(valid.any()):
-            logq = torch.log_softmax(logits[valid].float(), -1)
-            step_loss = -(p[valid] * logq).sum(-1).mean()
+            logq = torch.log_softmax(head.logits(h[:, :n][valid]).float(), -1)
+            p = p_all[:, 1 + j : 1 + j + n][valid]
+            step_loss = -(p * logq).sum(-1).mean()
             total = total + (decay**j) * step_loss
             losses.append(step_loss.detach())
-            accs.append((logits[valid].argmax(-1) == p[valid].argmax(-1)).float().mean())
+            accs.append((logq.argmax(-1) == p.argmax(-1)).float().mean())
         feature = h
     return total, losses, accs

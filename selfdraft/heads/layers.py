@@ -62,10 +62,15 @@ class Attention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """q (b, nh, s, hd) over k, v (b, nkv, S, hd) with a (b or 1, 1, s, S) bool mask -> (b, s, hidden)."""
-        groups = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        k, v = self.expand_kv(k), self.expand_kv(v)
+        return self.output(nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+    def expand_kv(self, x: Tensor) -> Tensor:
+        """(b, nkv, S, hd) -> (b, nh, S, hd): each key/value head repeated for its query group."""
+        return x.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+
+    def output(self, out: Tensor) -> Tensor:
+        """(b, nh, s, hd) attention output -> (b, s, hidden) through o_proj."""
         b, _, s, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
