@@ -91,7 +91,7 @@ def _read_file(path: Path, report: LoadReport) -> list[Any]:
         except json.JSONDecodeError:
             pass  # JSON lines with a .json name: fall through
     items = []
-    for line in text.splitlines():
+    for line in text.split("\n"):  # not splitlines(): U+2028, U+0085 ... may sit raw inside JSON strings
         if not line.strip():
             continue
         try:

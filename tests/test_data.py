@@ -44,6 +44,16 @@ def test_jsonl_messages_and_folder(tmp_path):
     assert len(convs) == 2, report.describe()
 
 
+def test_jsonl_keeps_records_with_unicode_line_separators(tmp_path):
+    """Guards JSONL reading: U+2028 / U+0085 written raw inside a string (ensure_ascii=False) do not split a record."""
+    rec = {"conversations": [{"from": "human", "value": "a\u2028b"}, {"from": "gpt", "value": "c\x85d\x0ce"}]}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(rec, ensure_ascii=False) + "\n" + json.dumps(record(1)) + "\n", encoding="utf-8")
+    convs, report = load_conversations(path)
+    assert len(convs) == 2 and not report.skipped, report.describe()
+    assert convs[0][1]["content"] == "c\x85d\x0ce"
+
+
 @pytest.mark.parametrize(
     "bad,reason",
     [

@@ -252,6 +252,18 @@ def test_medusa2_trains_adapters_and_saves_target_with_heads(tiny_target_dir, da
     assert out.tokens == ref
 
 
+def test_max_samples_zero_uses_every_conversation(tiny_target_dir, data_file, capsys):
+    """Guards max_samples=0 ('all'): every record is read, eval_samples held out of them (not eval_samples alone)."""
+    from accelerate import Accelerator
+
+    from selfdraft.target import load_target
+
+    tokenizer = load_target(str(tiny_target_dir)).tokenizer
+    cfg = config(tiny_target_dir, data_file, "unused", max_samples=0, eval_samples=8)
+    train_samples, eval_samples = train.build_samples(cfg, tokenizer, Accelerator(cpu=True))
+    assert (len(train_samples), len(eval_samples)) == (72, 8)
+
+
 def test_every_train_config_is_valid():
     """Guards the shipped configs against drift: each loads into TrainConfig and names its command."""
     from selfdraft.config import load

@@ -51,7 +51,8 @@ from selfdraft.train_config import TrainConfig
 
 def build_samples(cfg: TrainConfig, tokenizer, accelerator: Accelerator):
     source = sharegpt_path() if cfg.data == "sharegpt" else cfg.data
-    conversations, report = load_conversations(source, limit=(cfg.max_samples + cfg.eval_samples) or None)
+    limit = cfg.max_samples + cfg.eval_samples if cfg.max_samples else None  # max_samples 0 = all
+    conversations, report = load_conversations(source, limit=limit)
     accelerator.print(f"[data] {source}: {report.describe()}")
     bar = tqdm(conversations, desc="tokenise", unit="conv", file=sys.stderr, disable=quiet() or not accelerator.is_main_process)
     samples, counts = prepare_samples(tokenizer, bar, cfg.max_len)
