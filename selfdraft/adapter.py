@@ -3,7 +3,9 @@
 Tree verification goes into an unmodified ``AutoModelForCausalLM`` through public inputs only: an
 explicit 4D additive attention mask (a ``{layer_type: mask}`` dict for models with sliding-window
 layers, as Gemma-3's forward accepts), explicit ``position_ids`` and a :class:`SpecCache` passed as
-the model's cache argument. Each supported architecture has a parity test (tests/test_tree_parity.py).
+the model's cache argument. Each supported architecture has a parity test (tests/test_tree_parity.py). Forwards of many tokens
+with bf16 weights on a CPU without native bf16 run their matrix products in fp32
+(:func:`selfdraft.kernels.matmul_mode`; the model itself is not touched).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from selfdraft.cache import RaggedCache, SpecCache
+from selfdraft.kernels import matmul_mode
 from selfdraft.tree import Tree
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
@@ -126,15 +129,16 @@ def tree_forward(
     visible[:, prefix:] = tree.ancestors.to(device)
     dtype = model.get_input_embeddings().weight.dtype
     mask = attention_mask(model, visible, positions, key_pos, dtype)
-    out = model(
-        input_ids=tokens,
-        attention_mask=mask,
-        position_ids=positions[None].expand(tokens.shape[0], n),
-        use_cache=True,
-        output_hidden_states=list(hidden_layers) if hidden_layers else False,
-        logits_to_keep=1 if last_logits_only else 0,
-        **{_cache_kwarg(type(model)): cache},
-    )
+    with matmul_mode(dtype, device, tokens.numel()):
+        out = model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions[None].expand(tokens.shape[0], n),
+            use_cache=True,
+            output_hidden_states=list(hidden_layers) if hidden_layers else False,
+            logits_to_keep=1 if last_logits_only else 0,
+            **{_cache_kwarg(type(model)): cache},
+        )
     hidden = {i: out.hidden_states[i] for i in hidden_layers} if hidden_layers else None
     return ForwardOutput(out.logits, hidden)
 
@@ -174,15 +178,16 @@ def ragged_tree_forward(
     dtype = model.get_input_embeddings().weight.dtype
     masks = _additive_masks(model, visible.to(device), positions.to(device), key_pos.to(device), dtype)
     mask = {k: m[:, None] for k, m in masks.items()} if isinstance(masks, dict) else masks[:, None]
-    out = model(
-        input_ids=tokens,
-        attention_mask=mask,
-        position_ids=positions.to(device),
-        use_cache=True,
-        output_hidden_states=list(hidden_layers) if hidden_layers else False,
-        logits_to_keep=logits_at.to(device) if logits_at is not None else 0,
-        **{_cache_kwarg(type(model)): cache},
-    )
+    with matmul_mode(dtype, device, tokens.numel()):
+        out = model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions.to(device),
+            use_cache=True,
+            output_hidden_states=list(hidden_layers) if hidden_layers else False,
+            logits_to_keep=logits_at.to(device) if logits_at is not None else 0,
+            **{_cache_kwarg(type(model)): cache},
+        )
     hidden = {i: out.hidden_states[i] for i in hidden_layers} if hidden_layers else None
     return ForwardOutput(out.logits, hidden)
 

@@ -41,6 +41,7 @@ from torch import nn
 from selfdraft.adapter import num_layers, ragged_tree_forward
 from selfdraft.cache import RaggedCache
 from selfdraft.drafters.base import Draft, Drafter, StepResult, root_only
+from selfdraft.gate import SpeculationGate
 from selfdraft.generate import (
     CACHE_SLACK,
     GenerationConfig,
@@ -98,42 +99,6 @@ def draft_budget(rows: int, policy: TreePolicy) -> int | None:
     if policy.max_draft_per_row is not None:
         budget = policy.max_draft_per_row if budget is None else min(budget, policy.max_draft_per_row)
     return budget
-
-
-class SpeculationGate:
-    """Online on/off switch for speculation, per batch size (the number of rows in a step).
-
-    For each batch size it keeps exponential moving averages of committed tokens per second of step
-    time (draft + verify + accept) for speculative and for plain steps. The first steps at a size
-    measure both modes; then the faster one runs, and every ``probe_every``-th step runs the other
-    once so that a change (longer contexts, a drafter warming up) is seen. Greedy output does not
-    depend on the gate; only speed does.
-    """
-
-    def __init__(self, probe_every: int = 16, decay: float = 0.8):
-        self.probe_every, self.decay = probe_every, decay
-        self.rate: dict[tuple[int, bool], float] = {}
-        self.steps: dict[int, int] = {}
-
-    def speculate(self, rows: int) -> bool:
-        """Whether the next step with ``rows`` rows should draft."""
-        n = self.steps.get(rows, 0)
-        self.steps[rows] = n + 1
-        spec, plain = self.rate.get((rows, True)), self.rate.get((rows, False))
-        if spec is None or plain is None:
-            return spec is None
-        best = spec >= plain
-        return best if (n + 1) % self.probe_every else not best
-
-    def record(self, rows: int, speculative: bool, tokens: int, seconds: float) -> None:
-        """One step's outcome: ``tokens`` committed over all rows in ``seconds``."""
-        rate = tokens / max(seconds, 1e-9)
-        old = self.rate.get((rows, speculative))
-        self.rate[(rows, speculative)] = rate if old is None else self.decay * old + (1 - self.decay) * rate
-
-    def speeds(self) -> dict[int, tuple[float | None, float | None]]:
-        """Batch size -> (speculative, plain) tokens per second measured so far."""
-        return {r: (self.rate.get((r, True)), self.rate.get((r, False))) for r in sorted(self.steps)}
 
 
 def limit_nodes(draft: Draft, max_draft: int) -> Draft:

@@ -25,6 +25,7 @@ from selfdraft.assets import package_file
 from selfdraft.config import opt
 from selfdraft.drafters import build_drafter
 from selfdraft.generate import ContextLengthError, GenerationConfig, generate
+from selfdraft.kernels import cpu_report
 from selfdraft.progress import bar
 from selfdraft.sampling import SamplingConfig
 from selfdraft.stats import GenerationStats, acceptance_rates
@@ -166,6 +167,9 @@ class DecoderResult:
     """Summed over generations: steps that accepted at least d draft tokens."""
     accept_length_counts: Counter = field(default_factory=Counter)
     """Accept length (1 + accepted) -> number of target forwards."""
+    steps: int = 0
+    draft_steps: int = 0
+    """Steps that verified a draft (the rest decoded plainly: no match, or the speculation gate off)."""
     outputs: list[list[int]] = field(default_factory=list)
 
     def add_stats(self, stats: GenerationStats) -> None:
@@ -174,6 +178,8 @@ class DecoderResult:
         self.verify_s += stats.verify_s + stats.prefill_s
         self.other_s += stats.other_s
         self.accept_length_counts.update(stats.accept_lengths)
+        self.steps += stats.steps
+        self.draft_steps += stats.draft_steps
         for name in ("depth_attempts", "depth_accepts"):
             total, new = getattr(self, name), getattr(stats, name)
             total.extend([0] * (len(new) - len(total)))
@@ -196,6 +202,7 @@ class DecoderResult:
             speedup_vs_hf=self.tokens_per_s / hf_tok_s if hf_tok_s else None,
             identical_frac=sum(self.identical) / len(self.identical) if self.identical else None,
             mean_match_prefix=statistics.mean(self.match_prefix) if self.match_prefix else None,
+            drafted_frac=self.draft_steps / self.steps if self.steps else None,
         )
         return d
 
@@ -302,12 +309,13 @@ def _depth_cell(acc: list[float], depths: int) -> str:
 
 
 def format_table(rows: list[dict], depths: int = 4) -> str:
-    """The benchmark table; 'acc%@1..d' is the acceptance rate (%) at draft depths 1..d."""
+    """The benchmark table; 'acc%@1..d' is the acceptance rate (%) at draft depths 1..d, 'drafted' the
+    share of steps that verified a draft (the others decoded plainly)."""
     w = max([len(r["decoder"]) for r in rows] + [7]) + 2
     dw = max([len(_depth_cell(r.get("acceptance_by_depth", []), depths)) for r in rows] + [11]) + 2
     acc_head = f"acc%@1..{depths}"
     head = (f"{'decoder':<{w}}{'tok/s':>8}{'median':>8}{'speedup':>9}{'tau':>6}{acc_head:>{dw}}{'ident':>7}"
-            f"{'prefix':>8}{'draft%':>8}{'other%':>8}")
+            f"{'prefix':>8}{'draft%':>8}{'other%':>8}{'drafted':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         wall = r["wall_s"] or 1.0
@@ -318,9 +326,10 @@ def format_table(rows: list[dict], depths: int = 4) -> str:
         speed = f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] is not None else "-"
         draft = f"{100 * r['draft_s'] / wall:.1f}" if r["taus"] else "-"
         other = f"{100 * r['other_s'] / wall:.1f}" if r["taus"] else "-"
+        drafted = f"{100 * r['drafted_frac']:.0f}%" if r.get("drafted_frac") is not None else "-"
         lines.append(
             f"{r['decoder']:<{w}}{r['tokens_per_s']:>8.1f}{r['median_tok_s']:>8.1f}{speed:>9}{tau:>6}{acc:>{dw}}"
-            f"{ident:>7}{prefix:>8}{draft:>8}{other:>8}"
+            f"{ident:>7}{prefix:>8}{draft:>8}{other:>8}{drafted:>9}"
         )
     return "\n".join(lines)
 
@@ -334,14 +343,16 @@ def run_benchmark(
     out_json: str | Path | None = None,
     meta: dict | None = None,
     progress: bool = False,
+    auto_off: bool = False,
 ) -> list[dict]:
     """Benchmark every decoder; the plain decoder (run first) is the greedy reference.
 
     ``prompts`` are single-turn strings or :class:`Conversation` records; ``progress`` draws a bar
-    over (decoder, turn) pairs on stderr.
+    over (decoder, turn) pairs on stderr; ``auto_off`` lets this project's drafters decode plainly
+    while speculation measures slower (:class:`~selfdraft.gate.SpeculationGate`).
     """
     convs = [p if isinstance(p, Conversation) else Conversation((p,)) for p in prompts]
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, auto_off=auto_off)
     for n, conv in enumerate(convs, 1):  # first turns up front; later turns are checked as they come
         _check_fits(target, target.encode_chat(conv.messages([])), cfg, n, 1)
     order = (["plain"] if "plain" in decoders else []) + [d for d in decoders if d != "plain"]
@@ -380,6 +391,8 @@ class BenchConfig:
         "space-separated decoders: hf, hf_prompt_lookup, plain, or a drafter NAME[:key=value,...]",
     )
     threads: int = opt(0, "torch threads (0 = number of cores)")
+    auto_off: bool = opt(True, "this project's drafters decode plainly while speculation measures slower on this "
+                               "machine (as generate/chat do); false: always draft")
     out: str = opt("outputs/bench.json", "where to write the JSON results")
     plots: str = opt("", "folder for PNG plots (accept lengths, acceptance by depth, speedup); '' = none")
 
@@ -425,6 +438,7 @@ def main(cfg: BenchConfig, quiet: bool = False, as_json: bool = False) -> list[d
     meta = {
         "config": asdict(cfg),
         "machine": platform.processor() or platform.machine(),
+        **cpu_report(),
         "threads": threads,
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -434,7 +448,8 @@ def main(cfg: BenchConfig, quiet: bool = False, as_json: bool = False) -> list[d
     rows, plots, tables = [], [], []
     for t in temperatures(cfg):
         part = run_benchmark(target, convs, list(cfg.decoders), cfg.max_new_tokens,
-                             SamplingConfig(t, cfg.top_k, cfg.top_p), None, meta, progress=not quiet)
+                             SamplingConfig(t, cfg.top_k, cfg.top_p), None, meta, progress=not quiet,
+                             auto_off=cfg.auto_off)
         for row in part:
             row["temperature"] = t
         rows.extend(part)
@@ -451,7 +466,8 @@ def main(cfg: BenchConfig, quiet: bool = False, as_json: bool = False) -> list[d
         return rows
     for t, part in tables:
         print(f"target {cfg.target} ({cfg.dtype}), {meta['num_prompts']} prompts / {meta['num_turns']} turns, "
-              f"{cfg.max_new_tokens} new tokens, temperature {t:g}, {threads} threads")
+              f"{cfg.max_new_tokens} new tokens, temperature {t:g}, {threads} threads, CPU {meta['cpu_capability']}"
+              f" (native bf16 matmul: {'yes' if meta['native_bf16_matmul'] else 'no'}), auto_off {cfg.auto_off}")
         print(format_table(part))
         print()
     print(f"wrote {cfg.out}" + "".join(f"\nwrote {p}" for p in plots))

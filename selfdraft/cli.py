@@ -44,6 +44,8 @@ class DecodeConfig:
     acceptance: str = opt("exact", "exact (lossless) or typical (Medusa typical acceptance, LOSSY)")
     seed: int = opt(0, "sampling seed")
     threads: int = opt(0, "torch threads (0 = number of cores)")
+    auto_off: bool = opt(True, "measure online and decode plainly while speculation is slower on this machine "
+                               "(per batch size in batch mode); the output does not change")
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,6 @@ class GenerateConfig(DecodeConfig):
     limit: int = opt(0, "batch mode: first N prompts (0 = all)")
     batch_size: int = opt(8, "batch mode: sequences decoded at once (continuous batching refills finished slots)")
     max_step_tokens: int = opt(64, "batch mode: tree nodes verified per step over all rows (trees shrink as the batch grows)")
-    auto_off: bool = opt(True, "batch mode: measure online and decode plainly at batch sizes where speculation is slower")
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,7 @@ def _load(cfg: DecodeConfig, out: Output) -> tuple[Target, Drafter | None, Gener
         sampling=SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p),
         acceptance=cfg.acceptance,
         seed=cfg.seed,
+        auto_off=cfg.auto_off,
     )
     spec = None if cfg.drafter == "none" else parse_decoder(cfg.drafter)
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)

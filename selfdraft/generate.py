@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from selfdraft.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from selfdraft.adapter import new_cache, tree_forward
 from selfdraft.drafters.base import Draft, Drafter, StepResult, root_only
+from selfdraft.gate import SpeculationGate
 from selfdraft.sampling import GREEDY, SamplingConfig, choose, logits_to_probs
 from selfdraft.stats import GenerationStats
 from selfdraft.tree import chain_tree, truncate_depth
@@ -52,8 +53,15 @@ class GenerationConfig:
     """Seed of the sampling generator (None: nondeterministic)."""
     on_context_overflow: str = "error"
     """'error' (raise ContextLengthError) or 'truncate' (lower max_new_tokens to fit)."""
+    auto_off: bool = False
+    """Measure online and decode plainly while plain steps commit tokens faster than drafting ones
+    (:class:`~selfdraft.gate.SpeculationGate`); the output is unchanged, only speed."""
+    probe_every: int = 16
+    """With auto_off: every this many steps, run the losing mode once to re-measure it."""
 
     def __post_init__(self) -> None:
+        if self.probe_every < 2:
+            raise ValueError(f"probe_every must be >= 2, got {self.probe_every}")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.acceptance not in ACCEPTANCE_MODES:
@@ -156,6 +164,7 @@ def generate(
     if not cfg.sampling.greedy or cfg.acceptance == "typical":
         generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     hidden_layers = tuple(getattr(drafter, "hidden_layers", ()))
+    gate = SpeculationGate(cfg.probe_every) if cfg.auto_off and drafter is not None else None
     stats = GenerationStats()
     out = GenerationOutput(tokens=[], sources=[], stop_reason="max_new_tokens", stats=stats)
     if budget == 0:
@@ -192,9 +201,9 @@ def generate(
     while not done:
         prefix = cache.length
         root = committed[-1]
-        # 1. draft
+        # 1. draft (unless the gate measured plain steps faster)
         t0 = time.perf_counter()
-        if drafter is None:
+        if drafter is None or (gate is not None and not gate.speculate(1)):
             draft = root_only(root)
         else:
             draft = drafter.propose(torch.tensor(committed), cfg.sampling, generator)
@@ -213,6 +222,8 @@ def generate(
         leaf = len(draft.tree.children()[int(acc.path[-1])]) == 0
         last = "target" if draft.tree.size == 1 else ("bonus" if leaf else "correction")
         stats.record_step(draft.tree.max_depth, acc.num_accepted, t1 - t0, t2 - t1)
+        if gate is not None:
+            gate.record(1, draft.tree.size > 1, 1 + acc.num_accepted, time.perf_counter() - t0)
         done = emit(accepted + [acc.next_token], ["draft"] * len(accepted) + [last])
         if drafter is not None and not done:
             hidden = None

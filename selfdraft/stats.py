@@ -32,6 +32,8 @@ class GenerationStats:
     """depth_accepts[d-1]: steps that accepted at least d draft tokens."""
     accept_lengths: list[int] = field(default_factory=list)
     """1 + accepted, per step (the histogram behind tau)."""
+    draft_steps: int = 0
+    """Steps that verified a draft (a tree beyond the root); the rest were plain decoding steps."""
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -39,6 +41,7 @@ class GenerationStats:
 
     def record_step(self, draft_depth: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
         self.steps += 1
+        self.draft_steps += int(draft_depth > 0)
         self.accepted += num_accepted
         self.accept_lengths.append(1 + num_accepted)
         grow = draft_depth - len(self.depth_attempts)

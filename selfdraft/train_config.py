@@ -14,7 +14,7 @@ from selfdraft.config import opt
 @dataclass(frozen=True)
 class TrainConfig:
     target: str = opt("smollm2", "target: alias, local folder, .gguf file or hub id")
-    target_dtype: str = opt("float32", "dtype the frozen target runs in (bfloat16 is faster on this CPU)")
+    target_dtype: str = opt("float32", "dtype the frozen target runs in (bfloat16 halves memory; on CPUs without native bf16 its products run in fp32)")
     head: str = opt("medusa", "head type: medusa (Medusa-1), medusa2 (joint with LoRA), eagle1 or eagle3")
     num_heads: int = opt(4, "medusa: number of heads (draft depth)")
     num_layers: int = opt(1, "medusa: residual blocks per head")
@@ -42,7 +42,8 @@ class TrainConfig:
     feature_weight: float = opt(1.0, "eagle1: weight of the smooth-L1 feature regression loss")
     token_weight: float = opt(0.1, "eagle1: weight of the soft cross-entropy token loss")
     feature_noise: float = opt(0.2, "eagle1: width of uniform noise added to input features (0 = off)")
-    mixed_precision: str = opt("no", "accelerate mixed precision: no or bf16")
+    mixed_precision: str = opt("no", "accelerate mixed precision: no, bf16, fp16, or auto (bf16 where the device has "
+                                     "native bf16 matmuls, else no: a CPU without them runs bf16 products ~5x slower)")
     log_every: int = opt(10, "steps between metric logs")
     eval_every: int = opt(100, "steps between evals (0 = only at the end)")
     eval_tau_prompts: int = opt(4, "held-out prompts the saved head drafts for through the engine at each eval (0 = off)")
@@ -61,7 +62,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         choices = {"head": ("medusa", "medusa2", "eagle1", "eagle3"), "report_to": ("wandb", "none"),
-                   "mixed_precision": ("no", "bf16", "fp16"), "features_dtype": ("float32", "bfloat16", "float16")}
+                   "mixed_precision": ("no", "bf16", "fp16", "auto"), "features_dtype": ("float32", "bfloat16", "float16")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} '{getattr(self, name)}'; choose one of {', '.join(allowed)}")
@@ -72,7 +73,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DistillConfig:
     target: str = opt("smollm2", "target: alias, local folder, .gguf file or hub id")
-    dtype: str = opt("bfloat16", "target dtype (bfloat16 is faster on this CPU; float32 is exact)")
+    dtype: str = opt("bfloat16", "target dtype (bfloat16 decodes faster on CPUs; float32 is exact)")
     data: str = opt("sharegpt", "'sharegpt' (the shipped ShareGPT V3), a JSON/JSONL file or folder, or a hub id")
     max_samples: int = opt(1000, "conversations to regenerate (0 = all)")
     turns: str = opt("all", "'all' assistant turns, or 'first' (keep only the first exchange)")

@@ -140,3 +140,29 @@ def test_stop_strings_end_generation():
     out = generate(model, prompt, PromptLookupDrafter(), GenerationConfig(max_new_tokens=30, stop_strings=(stop,)),
                    tokenizer=tok)
     assert out.stop_reason == "stop_string" and tok.decode(out.tokens) == text[:want_len]
+
+
+class SlowRandomDrafter(ScriptedDrafter):
+    """Random drafts (never accepted) that take 30 ms each: speculation can only lose."""
+
+    def propose(self, tokens, sampling, generator):
+        import time
+
+        time.sleep(0.03)
+        return super().propose(tokens, sampling, generator)
+
+
+def test_speculation_gate_keeps_output_and_switches_a_losing_drafter_off(models):
+    """Guards the batch-1 gate (auto_off): output stays plain greedy's; a drafter that only costs time stops
+    drafting after the first probes, while an all-accepted drafter keeps drafting."""
+    model = models["llama"]
+    prompt = random_prompt(12, 5)
+    n = 60
+    ref = plain(model, prompt, n).tokens
+    cfg = GenerationConfig(max_new_tokens=n, auto_off=True, probe_every=8)
+    slow = generate(model, prompt, SlowRandomDrafter(prompt + ref, "random", VOCAB, seed=1), cfg)
+    oracle = generate(model, prompt, ScriptedDrafter(prompt + ref, "oracle", VOCAB, seed=1), cfg)
+    assert slow.tokens == ref and oracle.tokens == ref
+    s, o = slow.stats, oracle.stats
+    assert s.draft_steps <= 1 + s.steps // 8 + 1, f"losing drafter drafted {s.draft_steps} of {s.steps} steps"
+    assert o.draft_steps >= o.steps - (2 + o.steps // 8), f"oracle drafted only {o.draft_steps} of {o.steps} steps"

@@ -44,6 +44,7 @@ from selfdraft.heads.eagle1 import Eagle1Config
 from selfdraft.heads.eagle3 import Eagle3Config, select_draft_vocab
 from selfdraft.heads.medusa import MedusaConfig, medusa_loss
 from selfdraft.heads.medusa2 import Medusa2, attach_lora
+from selfdraft.kernels import matmul_mode, native_bf16_matmul, resolve_mixed_precision
 from selfdraft.progress import quiet
 from selfdraft.target import load_target
 from selfdraft.train_config import TrainConfig
@@ -141,14 +142,18 @@ def head_loss(cfg: TrainConfig, head, target, batch, feats: dict | None = None) 
     if cfg.head == "medusa2":  # gradients flow through the target's adapters: no stored features
         loss, losses, accs = head(ids, attn, lmask, cfg.loss_decay, cfg.lm_weight)
         return loss, metrics_of(losses, accs)
+    weight = target.get_output_embeddings().weight
+    # the frozen target's products (no autograd) in fp32 where bf16 ones are slow (CPUs without native bf16)
+    frozen_products = matmul_mode(weight.dtype, weight.device, ids.numel())
     if feats is None:
-        feats = target_features(target, ids, attn, feature_indices(cfg, head))
+        with frozen_products:
+            feats = target_features(target, ids, attn, feature_indices(cfg, head))
     last = feats[-1]
     if cfg.head == "medusa":
         loss, losses, accs = medusa_loss(head(last), ids, lmask, cfg.loss_decay)
     else:
         lm_head = target.get_output_embeddings()
-        with torch.no_grad():  # the target's logits, from its (shared, frozen) lm_head
+        with torch.no_grad(), frozen_products:  # the target's logits, from its (shared, frozen) lm_head
             if cfg.head == "eagle3":  # only the draft vocabulary's rows: the loss reads nothing else
                 rows = lm_head.weight[(head.module if hasattr(head, "module") else head).draft_ids]
                 logits = torch.nn.functional.linear(last.to(rows.dtype), rows)
@@ -294,11 +299,15 @@ def main(cfg: TrainConfig) -> Path:
         # join one gloo group: that is how DDP runs on CPUs without MPI
         cpu=not torch.cuda.is_available(),
         gradient_accumulation_steps=cfg.grad_accum,
-        mixed_precision=cfg.mixed_precision,
+        mixed_precision=resolve_mixed_precision(cfg.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu"),
         log_with="wandb" if use_wandb else None,
     )
     set_seed(cfg.seed)
-    accelerator.print(f"[accelerate] {accelerator.distributed_type} x{accelerator.num_processes} on {accelerator.device}")
+    accelerator.print(f"[accelerate] {accelerator.distributed_type} x{accelerator.num_processes} on {accelerator.device}, "
+                      f"mixed precision {accelerator.mixed_precision} (config: {cfg.mixed_precision})")
+    if accelerator.mixed_precision == "bf16" and not native_bf16_matmul(accelerator.device.type):
+        accelerator.print("[accelerate] note: this CPU has no native bf16 matrix instructions, so bf16 autocast runs "
+                          "every head product on PyTorch's slow fallback; mixed_precision: auto (or no) trains in fp32")
     target = load_target(cfg.target, dtype=cfg.target_dtype, device=str(accelerator.device))
     model, tokenizer = target.model, target.tokenizer
     frozen_before = weights_digest(model)

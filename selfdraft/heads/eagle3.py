@@ -73,10 +73,12 @@ class MidLayer(nn.Module):
         return self.residual(feature, self.self_attn.attend(q, k, v, mask))
 
     def finish_ttt(self, feature: Tensor, q: Tensor, keys: list[Tensor], values: list[Tensor], key_mask: Tensor) -> Tensor:
-        """:meth:`finish` for unrolled training step ``len(keys) - 1`` under the :func:`ttt_mask`, without materialising it."""
-        attn = self.self_attn
-        out = ttt_attention(q, [attn.expand_kv(k) for k in keys], [attn.expand_kv(v) for v in values], key_mask)
-        return self.residual(feature, attn.output(out))
+        """:meth:`finish` for unrolled training step ``len(keys) - 1`` under the :func:`ttt_mask`, without materialising it.
+
+        keys, values: every step's (b, heads, s, hd) keys/values, already expanded to the query heads
+        (once per step when it is appended, not again at each later step)."""
+        out = ttt_attention(q, keys, values, key_mask)
+        return self.residual(feature, self.self_attn.output(out))
 
     def residual(self, feature: Tensor, attended: Tensor) -> Tensor:
         h = feature + attended
@@ -216,8 +218,8 @@ def eagle3_loss(
         tok = torch.cat([input_ids[:, 1 + j :], input_ids.new_zeros(b, 1 + j)], 1)
         emb = embed(tok).to(feature.dtype)
         q, k, v = head.midlayer.qkv(emb, feature, positions + j)
-        keys.append(k)
-        values.append(v)
+        keys.append(head.midlayer.self_attn.expand_kv(k))
+        values.append(head.midlayer.self_attn.expand_kv(v))
         h = head.midlayer.finish_ttt(feature, q, keys, values, key_mask)
         # positions t = 0 .. n-1 have a label t+2+j inside the sequence; the target there is p at t+1+j
         n = s - 2 - j
