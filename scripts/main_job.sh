@@ -5,17 +5,22 @@
 #   3. generate on the first MT-bench questions with HF generate, plain decoding, the new head and
 #      the head merged with prompt lookup, print the table (tokens/s, speedup vs HF generate, tau,
 #      identity with plain decoding) and summary lines.
-# 14.4 minutes measured on the 2-core CPU (50 steps at ~13 s), before the merged row (+~20 s). A head trained this briefly drafts
-# little (tau ~1.3); the measured tables are in docs/benchmarks.md.
+# 14.4 minutes measured on a 2-core AVX512-BF16 CPU (50 steps at ~13 s), before the merged row (+~20 s);
+# 24.3 minutes with 50 steps on a 2-core AVX2 CPU without native bf16 (~21 s a step), hence 32 steps there.
+# A head trained this briefly drafts little (tau ~1.2-1.3); the measured tables are in docs/benchmarks.md.
 #
-#   bash scripts/main_job.sh        # defaults: OUT=runs/main_job STEPS=50 PROMPTS=5 TOKENS=128
+#   bash scripts/main_job.sh        # defaults: OUT=runs/main_job STEPS=50 (32) PROMPTS=5 TOKENS=128
 # Other variables (the tests run it on a tiny target): TARGET, DATA, MAX_SAMPLES, EVAL_SAMPLES, MAX_LEN, CONTEXT,
 # TUNE_PROMPTS, PYTHON (the interpreter that has selfdraft installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-runs/main_job}
-STEPS=${STEPS:-50}
+# 50 steps where bf16 products are native (~13 s a step); 32 on CPUs without (AVX2-only: ~21 s a
+# step in fp32), which keeps the whole job under 20 minutes there too
+if [ -z "${STEPS:-}" ]; then
+  STEPS=$("$PYTHON" -c "from selfdraft.kernels import native_bf16_matmul; print(50 if native_bf16_matmul('cpu') else 32)")
+fi
 PROMPTS=${PROMPTS:-5}
 TOKENS=${TOKENS:-128}
 TARGET=${TARGET:-smollm2}
@@ -42,8 +47,10 @@ hf = next(r for r in rows if r["decoder"] == "hf")
 for r in rows:
     if r["decoder"].startswith("head:"):
         what = "EAGLE-3 head + prompt lookup" if r["decoder"].endswith(",lookup=10") else "EAGLE-3 head"
+        drafting = (f"drafted on {100 * r['drafted_frac']:.0f}% of steps (tau {r['tau_drafting']:.2f} on those)"
+                    if r.get("tau_drafting") else "drafted on no step")
         print(f"[main job] {what}: tau {r['tau']:.2f}, {r['tokens_per_s']:.1f} tok/s = {r['speedup_vs_hf']:.2f}x HF "
-              f"generate ({hf['tokens_per_s']:.1f} tok/s); same tokens as plain decoding for the first "
+              f"generate ({hf['tokens_per_s']:.1f} tok/s); {drafting}; same tokens as plain decoding for the first "
               f"{100 * r['mean_match_prefix']:.0f}% of each reply on average (bf16 rounding; identical in fp32)")
 print(f"[main job] {(time.time() - int(sys.argv[2])) / 60:.1f} min end to end")
 PY

@@ -1,6 +1,8 @@
 """Side-by-side decoder benchmark: HF ``generate``, HF prompt lookup, plain decoding and drafters.
 
-All decoders run in one process on the same prompts; each gets one warm-up generation first.
+All decoders run in one process on the same prompts; each gets one warm-up generation first. They
+take turns prompt by prompt (interleaved), so a machine whose speed drifts during a long run (a
+shared host, thermal limits) slows every decoder alike instead of whichever ran at the bad time.
 Speed is total new tokens / total wall time; greedy outputs are compared with this project's plain
 decoder (identity is an fp32 property: in bf16 a wider verification forward rounds differently, so
 the mean matching-prefix fraction is reported as well). Multi-turn prompt sets run as conversations:
@@ -190,6 +192,11 @@ class DecoderResult:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s else 0.0
 
+    def _tau_drafting(self) -> float | None:
+        """1 + accepted draft tokens per step that drafted (tau of the drafter itself, gate aside)."""
+        accepted = sum((length - 1) * n for length, n in self.accept_length_counts.items())
+        return 1 + accepted / self.draft_steps if self.draft_steps else None
+
     def summary(self, hf_tok_s: float | None) -> dict:
         d = asdict(self)
         d.pop("outputs")
@@ -203,6 +210,7 @@ class DecoderResult:
             identical_frac=sum(self.identical) / len(self.identical) if self.identical else None,
             mean_match_prefix=statistics.mean(self.match_prefix) if self.match_prefix else None,
             drafted_frac=self.draft_steps / self.steps if self.steps else None,
+            tau_drafting=self._tau_drafting(),
         )
         return d
 
@@ -251,42 +259,41 @@ def _check_fits(target: Target, ids: list[int], cfg: GenerationConfig, prompt: i
         )
 
 
-def run_decoder(
-    target: Target,
-    spec: str,
-    conversations: list[Conversation],
-    cfg: GenerationConfig,
-    reference: list[list[int]] | None,
-    tick: Callable[[], None] | None = None,
-) -> DecoderResult:
-    """Run one decoder over every turn of every conversation (after a warm-up) and collect its numbers.
+class DecoderRun:
+    """One decoder of a benchmark: built once outside the timed region and warmed up, then run
+    conversation by conversation (so several decoders can take turns on the same prompts)."""
 
-    Each turn is prompted with the conversation so far, this decoder's own replies included.
-    ``reference[i]`` is the reference output of the i-th turn overall; ``tick`` is called per turn.
-    """
-    name, options = parse_decoder(spec)
-    res = DecoderResult(decoder=spec)
+    def __init__(self, target: Target, spec: str, cfg: GenerationConfig, warmup: list[int]):
+        name, options = parse_decoder(spec)
+        self.target, self.cfg = target, cfg
+        self.hf = name in ("hf", "hf_prompt_lookup")
+        self.hf_lookup = name == "hf_prompt_lookup"
+        # built once; generate() resets it for every prompt
+        self.drafter = None if self.hf or name == "plain" else build_drafter(name, target.model, **options)
+        self.result = DecoderResult(decoder=spec)
+        self.turns = 0
+        self.generate(warmup, 0)
 
-    hf = name in ("hf", "hf_prompt_lookup")
-    # built once, outside the timed region; generate() resets it for every prompt
-    drafter = None if hf or name == "plain" else build_drafter(name, target.model, **options)
-
-    def one(ids: list[int], seed: int):
-        if hf:
-            return _hf_generate(target, ids, cfg, lookup=name == "hf_prompt_lookup", seed=seed), None
-        run_cfg = GenerationConfig(**{**asdict(cfg), "sampling": cfg.sampling, "seed": seed})
-        out = generate(target.model, ids, drafter, run_cfg, eos_token_ids=target.eos_token_ids)
+    def generate(self, ids: list[int], seed: int) -> tuple[list[int], GenerationStats | None]:
+        if self.hf:
+            return _hf_generate(self.target, ids, self.cfg, lookup=self.hf_lookup, seed=seed), None
+        run_cfg = GenerationConfig(**{**asdict(self.cfg), "sampling": self.cfg.sampling, "seed": seed})
+        out = generate(self.target.model, ids, self.drafter, run_cfg, eos_token_ids=self.target.eos_token_ids)
         return out.tokens, out.stats
 
-    one(target.encode_chat(conversations[0].messages([]))[:32], 0)  # warm-up
-    i = 0
-    for n, conv in enumerate(conversations, 1):
+    def run(self, conv: Conversation, number: int, reference: list[list[int]] | None,
+            tick: Callable[[], None] | None = None) -> None:
+        """Every turn of conversation ``number`` (1-based), each prompted with the conversation so far,
+        this decoder's own replies included. ``reference[i]`` is the reference output of the i-th turn
+        overall; ``tick`` is called per turn."""
+        res, target = self.result, self.target
         replies: list[str] = []
         for t in range(len(conv.turns)):
             ids = target.encode_chat(conv.messages(replies))
-            _check_fits(target, ids, cfg, n, t + 1)
+            _check_fits(target, ids, self.cfg, number, t + 1)
+            i = self.turns
             t0 = time.perf_counter()
-            tokens, stats = one(ids, i)
+            tokens, stats = self.generate(ids, i)
             dt = time.perf_counter() - t0
             res.new_tokens += len(tokens)
             res.wall_s += dt
@@ -294,14 +301,13 @@ def run_decoder(
             res.outputs.append(tokens)
             if stats is not None:
                 res.add_stats(stats)
-            if reference is not None and cfg.sampling.greedy:
+            if reference is not None and self.cfg.sampling.greedy:
                 res.identical.append(tokens == reference[i])
                 res.match_prefix.append(_prefix_match(tokens, reference[i]))
             replies.append(target.tokenizer.decode(tokens, skip_special_tokens=True))
-            i += 1
+            self.turns += 1
             if tick is not None:
                 tick()
-    return res
 
 
 def _depth_cell(acc: list[float], depths: int) -> str:
@@ -356,17 +362,18 @@ def run_benchmark(
     for n, conv in enumerate(convs, 1):  # first turns up front; later turns are checked as they come
         _check_fits(target, target.encode_chat(conv.messages([])), cfg, n, 1)
     order = (["plain"] if "plain" in decoders else []) + [d for d in decoders if d != "plain"]
-    results: dict[str, DecoderResult] = {}
-    reference = None
+    warmup = target.encode_chat(convs[0].messages([]))[:32]
+    runs = {spec: DecoderRun(target, spec, cfg, warmup) for spec in order}
+    reference = runs["plain"].result.outputs if "plain" in runs else None
     num_turns = sum(len(c.turns) for c in convs)
     with bar(len(order) * num_turns, "bench", progress, unit="turn") as pbar:
-        for spec in order:
-            pbar.set_description(f"bench {spec}")
-            results[spec] = run_decoder(target, spec, convs, cfg, reference, tick=lambda: pbar.update(1))
-            if spec == "plain":
-                reference = results[spec].outputs
-    hf = results.get("hf")
-    rows = [results[d].summary(hf.tokens_per_s if hf else None) for d in decoders]
+        # interleaved: each conversation goes through every decoder (plain first, the reference) before
+        # the next one, so a drift in the machine's speed during a long run hits every decoder alike
+        for n, conv in enumerate(convs, 1):
+            for spec in order:
+                runs[spec].run(conv, n, reference if spec != "plain" else None, tick=lambda: pbar.update(1))
+    hf = runs["hf"].result if "hf" in runs else None
+    rows = [runs[d].result.summary(hf.tokens_per_s if hf else None) for d in decoders]
     if out_json is not None:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         payload = {"meta": meta or {}, "results": rows}

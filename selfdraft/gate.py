@@ -21,15 +21,22 @@ class SpeculationGate:
     mode's rate (a ratio of averages, not an average of per-step rates, which would overrate a
     drafter whose steps alternate between long accepts and rejections). The first steps at a size
     measure both modes; then the faster one runs, and every ``probe_every``-th step runs the other
-    once so that a change (longer contexts, a drafter warming up) is seen. Greedy output does not
-    depend on the gate; only speed does.
+    once so that a change (longer contexts, a drafter warming up) is seen. A probe that confirms
+    the loser doubles the interval to the next (up to ``max_backoff`` times ``probe_every``), since
+    a probe of a mode that loses on this machine costs a slow step each time; a probe that swaps the
+    modes resets it. Greedy output does not depend on the gate; only speed does.
     """
 
-    def __init__(self, probe_every: int = 16, decay: float = 0.8):
-        self.probe_every, self.decay = probe_every, decay
+    def __init__(self, probe_every: int = 16, decay: float = 0.8, max_backoff: int = 8):
+        self.probe_every, self.decay, self.max_backoff = probe_every, decay, max_backoff
         self.sums: dict[tuple[int, bool], tuple[float, float]] = {}
         """(rows, speculative) -> EMAs of (tokens per step, seconds per step)."""
         self.steps: dict[int, int] = {}
+        self.interval: dict[int, int] = {}
+        """rows -> steps between probes now (probe_every, doubled by each confirming probe)."""
+        self.last_probe: dict[int, int] = {}
+        self.probing: dict[int, bool] = {}
+        """rows -> which mode was winning when the probe now running started."""
 
     def rate(self, rows: int, speculative: bool) -> float | None:
         """Measured tokens per second of one mode at one batch size (None: not measured yet)."""
@@ -44,7 +51,11 @@ class SpeculationGate:
         if spec is None or plain is None:
             return spec is None
         best = spec >= plain
-        return best if (n + 1) % self.probe_every else not best
+        if n + 1 - self.last_probe.get(rows, 0) < self.interval.get(rows, self.probe_every):
+            return best
+        self.last_probe[rows] = n + 1
+        self.probing[rows] = best
+        return not best
 
     def record(self, rows: int, speculative: bool, tokens: int, seconds: float) -> None:
         """One step's outcome: ``tokens`` committed over all rows in ``seconds``."""
@@ -54,6 +65,12 @@ class SpeculationGate:
         else:
             d = self.decay
             self.sums[(rows, speculative)] = (d * old[0] + (1 - d) * tokens, d * old[1] + (1 - d) * seconds)
+        was_best = self.probing.pop(rows, None)
+        spec, plain = self.rate(rows, True), self.rate(rows, False)
+        if was_best is not None and spec is not None and plain is not None:
+            interval = self.interval.get(rows, self.probe_every)
+            confirmed = (spec >= plain) == was_best
+            self.interval[rows] = min(2 * interval, self.max_backoff * self.probe_every) if confirmed else self.probe_every
 
     def speeds(self) -> dict[int, tuple[float | None, float | None]]:
         """Batch size -> (speculative, plain) tokens per second measured so far."""

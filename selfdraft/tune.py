@@ -37,6 +37,7 @@ from selfdraft.config import opt
 from selfdraft.drafters.base import Draft, Drafter, StepResult
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.heads.artifact import write_text_atomic
+from selfdraft.kernels import cpu_report
 from selfdraft.tree import chain_tree, top_nodes_by_score
 
 TUNE_FILE = "tune.json"
@@ -301,7 +302,7 @@ def main(cfg: TuneConfig) -> dict:
         "expected_plain_tokens_per_s": plain_tps,
         "tuned_for": {"target": cfg.target, "dtype": cfg.dtype, "threads": torch.get_num_threads(),
                       "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                      "date": time.strftime("%Y-%m-%d")},
+                      **cpu_report(), "date": time.strftime("%Y-%m-%d")},
         "verify_latency_s": {str(k): v for k, v in sorted(verify.items())},
         "other_s_per_step": other,
         "config": asdict(cfg),
@@ -310,6 +311,9 @@ def main(cfg: TuneConfig) -> dict:
     chosen = f"{best['nodes']} Medusa paths" if kind == "medusa" else str(best["drafter_options"])
     print(f"[tune] chosen: {chosen} -> expected tau {best['tau']:.2f}, {best['expected_tokens_per_s']:.1f} tok/s "
           f"(plain decoding {plain_tps:.1f} tok/s)")
+    if best["expected_tokens_per_s"] < plain_tps:
+        print(f"[tune] no tree is expected to beat plain decoding on this machine ({cpu_report()}); with auto_off "
+              "(the default of generate, chat and bench) the engine decodes plainly while drafting measures slower")
     if cfg.save:
         path = write_text_atomic(Path(cfg.head) / TUNE_FILE, json.dumps(result, indent=2))
         print(f"[tune] saved to {path}; head:path={cfg.head} now drafts with it by default")

@@ -414,3 +414,25 @@ def test_bench_batch_runs_every_decoder_and_batch_size(models):
         assert r["new_tokens"] == 5 * 8 and r["tokens_per_s"] > 0, r
         assert r["same_as_plain"] == 1.0, f"{r['decoder']} at batch {r['batch_size']} differs from plain: {r}"
     assert "batch" in bench.format_table(rows) and "speculation" in bench.crossover(rows)
+
+
+def test_speculation_gate_backs_off_probing_a_mode_that_keeps_losing():
+    """Guards the probe backoff: each probe that confirms the loser doubles the interval (up to the cap);
+    a probe that finds the other mode faster switches at once and resets the interval."""
+    gate = SpeculationGate(probe_every=4, max_backoff=4)
+    gate.speculate(1)
+    gate.record(1, True, tokens=1, seconds=1.0)  # drafting: 1 token/s
+    gate.speculate(1)
+    gate.record(1, False, tokens=10, seconds=1.0)  # plain: 10 tokens/s
+    probes = []
+    for step in range(3, 60):
+        spec = gate.speculate(1)
+        if spec:
+            probes.append(step)
+        gate.record(1, spec, tokens=1 if spec else 10, seconds=1.0)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == 4 and gaps[:3] == [8, 16, 16], f"probes at {probes}"
+    while not gate.speculate(1):  # up to the next probe, where drafting has become much faster
+        gate.record(1, False, tokens=10, seconds=1.0)
+    gate.record(1, True, tokens=200, seconds=1.0)
+    assert gate.speculate(1) is True and gate.interval[1] == 4, gate.interval

@@ -166,3 +166,10 @@ def test_speculation_gate_keeps_output_and_switches_a_losing_drafter_off(models)
     s, o = slow.stats, oracle.stats
     assert s.draft_steps <= 1 + s.steps // 8 + 1, f"losing drafter drafted {s.draft_steps} of {s.steps} steps"
     assert o.draft_steps >= o.steps - (2 + o.steps // 8), f"oracle drafted only {o.draft_steps} of {o.steps} steps"
+    from selfdraft.benchmark import DecoderResult
+
+    res = DecoderResult(decoder="oracle")
+    res.add_stats(o)
+    row = res.summary(None)
+    assert row["drafted_frac"] == o.draft_steps / o.steps
+    assert abs(row["tau_drafting"] - (1 + o.accepted / o.draft_steps)) < 1e-9, row["tau_drafting"]
