@@ -169,7 +169,6 @@ class DecoderResult:
     """Summed over generations: steps that accepted at least d draft tokens."""
     accept_length_counts: Counter = field(default_factory=Counter)
     """Accept length (1 + accepted) -> number of target forwards."""
-    steps: int = 0
     draft_steps: int = 0
     """Steps that verified a draft (the rest decoded plainly: no match, or the speculation gate off)."""
     outputs: list[list[int]] = field(default_factory=list)
@@ -180,7 +179,6 @@ class DecoderResult:
         self.verify_s += stats.verify_s + stats.prefill_s
         self.other_s += stats.other_s
         self.accept_length_counts.update(stats.accept_lengths)
-        self.steps += stats.steps
         self.draft_steps += stats.draft_steps
         for name in ("depth_attempts", "depth_accepts"):
             total, new = getattr(self, name), getattr(stats, name)
@@ -209,7 +207,7 @@ class DecoderResult:
             speedup_vs_hf=self.tokens_per_s / hf_tok_s if hf_tok_s else None,
             identical_frac=sum(self.identical) / len(self.identical) if self.identical else None,
             mean_match_prefix=statistics.mean(self.match_prefix) if self.match_prefix else None,
-            drafted_frac=self.draft_steps / self.steps if self.steps else None,
+            drafted_frac=self.draft_steps / steps if (steps := sum(self.accept_length_counts.values())) else None,
             tau_drafting=self._tau_drafting(),
         )
         return d

@@ -66,6 +66,11 @@ class SpeculationGate:
             d = self.decay
             self.sums[(rows, speculative)] = (d * old[0] + (1 - d) * tokens, d * old[1] + (1 - d) * seconds)
         was_best = self.probing.pop(rows, None)
+        if was_best is not None and speculative == was_best:
+            # the probe did not run the other mode (a drafter with nothing to propose drafts no tree):
+            # it says nothing about the loser, so probe again at the next step
+            self.last_probe[rows] = self.steps[rows] - self.interval.get(rows, self.probe_every)
+            return
         spec, plain = self.rate(rows, True), self.rate(rows, False)
         if was_best is not None and spec is not None and plain is not None:
             interval = self.interval.get(rows, self.probe_every)

@@ -436,3 +436,20 @@ def test_speculation_gate_backs_off_probing_a_mode_that_keeps_losing():
         gate.record(1, False, tokens=10, seconds=1.0)
     gate.record(1, True, tokens=200, seconds=1.0)
     assert gate.speculate(1) is True and gate.interval[1] == 4, gate.interval
+
+
+def test_speculation_gate_probe_that_drafted_nothing_is_retried():
+    """Guards the probe bookkeeping: a probe step on which the drafter proposed no tree (recorded as plain)
+    must not count as a probe that confirmed plain decoding, nor stretch the probe interval."""
+    gate = SpeculationGate(probe_every=4)
+    gate.speculate(1)
+    gate.record(1, True, tokens=1, seconds=1.0)
+    gate.speculate(1)
+    gate.record(1, False, tokens=10, seconds=1.0)
+    assert [gate.speculate(1) for _ in range(1)] == [False]
+    gate.record(1, False, tokens=10, seconds=1.0)
+    assert gate.speculate(1) is True  # step 4: the probe
+    gate.record(1, False, tokens=10, seconds=1.0)  # ... but no tree was drafted
+    assert gate.speculate(1) is True and gate.interval.get(1, 4) == 4, gate.interval  # probed again
+    gate.record(1, True, tokens=1, seconds=1.0)  # a real probe: plain still wins, the interval doubles
+    assert gate.interval[1] == 8 and gate.speculate(1) is False

@@ -142,9 +142,9 @@ def head_loss(cfg: TrainConfig, head, target, batch, feats: dict | None = None) 
     if cfg.head == "medusa2":  # gradients flow through the target's adapters: no stored features
         loss, losses, accs = head(ids, attn, lmask, cfg.loss_decay, cfg.lm_weight)
         return loss, metrics_of(losses, accs)
-    weight = target.get_output_embeddings().weight
+    lm_head = target.get_output_embeddings()
     # the frozen target's products (no autograd) in fp32 where bf16 ones are slow (CPUs without native bf16)
-    frozen_products = matmul_mode(weight.dtype, weight.device, ids.numel())
+    frozen_products = matmul_mode(lm_head.weight.dtype, lm_head.weight.device, ids.numel())
     if feats is None:
         with frozen_products:
             feats = target_features(target, ids, attn, feature_indices(cfg, head))
@@ -152,7 +152,6 @@ def head_loss(cfg: TrainConfig, head, target, batch, feats: dict | None = None) 
     if cfg.head == "medusa":
         loss, losses, accs = medusa_loss(head(last), ids, lmask, cfg.loss_decay)
     else:
-        lm_head = target.get_output_embeddings()
         with torch.no_grad(), frozen_products:  # the target's logits, from its (shared, frozen) lm_head
             if cfg.head == "eagle3":  # only the draft vocabulary's rows: the loss reads nothing else
                 rows = lm_head.weight[(head.module if hasattr(head, "module") else head).draft_ids]
