@@ -3,9 +3,9 @@
 Tree verification goes into an unmodified ``AutoModelForCausalLM`` through public inputs only: an
 explicit 4D additive attention mask (a ``{layer_type: mask}`` dict for models with sliding-window
 layers, as Gemma-3's forward accepts), explicit ``position_ids`` and a :class:`SpecCache` passed as
-the model's cache argument. Each supported architecture has a parity test (tests/test_tree_parity.py). Forwards of many tokens
-with bf16 weights on a CPU without native bf16 run their matrix products in fp32
-(:func:`selfdraft.kernels.matmul_mode`; the model itself is not touched).
+the model's cache argument. Each supported architecture has a parity test (tests/test_tree_parity.py). With bf16 weights on a CPU
+without native bf16, a forward's matrix products go through a fused kernel (few tokens) or fp32
+products (many tokens): :func:`selfdraft.kernels.forward_products`; the weights are not touched.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from selfdraft.cache import RaggedCache, SpecCache
-from selfdraft.kernels import matmul_mode
+from selfdraft.kernels import forward_products
 from selfdraft.tree import Tree
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
@@ -129,7 +129,7 @@ def tree_forward(
     visible[:, prefix:] = tree.ancestors.to(device)
     dtype = model.get_input_embeddings().weight.dtype
     mask = attention_mask(model, visible, positions, key_pos, dtype)
-    with matmul_mode(dtype, device, tokens.numel()):
+    with forward_products(model, dtype, device, tokens.numel()):
         out = model(
             input_ids=tokens,
             attention_mask=mask,
@@ -178,7 +178,7 @@ def ragged_tree_forward(
     dtype = model.get_input_embeddings().weight.dtype
     masks = _additive_masks(model, visible.to(device), positions.to(device), key_pos.to(device), dtype)
     mask = {k: m[:, None] for k, m in masks.items()} if isinstance(masks, dict) else masks[:, None]
-    with matmul_mode(dtype, device, tokens.numel()):
+    with forward_products(model, dtype, device, tokens.numel()):
         out = model(
             input_ids=tokens,
             attention_mask=mask,

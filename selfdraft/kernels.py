@@ -1,4 +1,4 @@
-"""Matrix products for bfloat16 targets on CPUs without native bf16 arithmetic.
+"""Matrix products for bfloat16 models on CPUs without native bf16 arithmetic.
 
 PyTorch's eager CPU GEMM for bfloat16 goes through oneDNN only where the CPU has bf16 dot-product
 instructions (AVX512-BF16 or AMX). Elsewhere (AVX2-only x86 such as AMD Zen 2/3, older Xeons) an
@@ -13,16 +13,30 @@ bfloat16 weights and at least ``min_rows`` input rows in fp32 (MKL) instead: eac
 converted block by block into a reused fp32 scratch buffer and multiplied there; the result is
 rounded back to bfloat16, as the bf16 kernel rounds its fp32 accumulator. Nothing of the model is
 modified or copied: its bf16 weights stay the only copy, the scratch holds one block.
+
+For the small forwards of decoding (one token, a draft tree, a head step) the conversion itself is
+the cost. :class:`FusedLinears` routes the bf16 ``nn.Linear`` modules of a model through a compiled
+kernel (``selfdraft/csrc/bf16_linear.cpp``, AVX2 + FMA, built on first use with
+``torch.utils.cpp_extension``) that widens the weights in registers and accumulates in fp32: on the
+2-core AVX2 machine a SmolLM2 forward's products cost 12 ms for 1 token and ~36 ms for 9 (PyTorch's
+bf16 kernels: 26 and 168 ms; docs/perf_log.md). :func:`forward_products` picks the route for one
+forward; ``SELFDRAFT_FUSED_BF16=0`` turns the kernel off.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+import os
+import platform
+import sys
+import warnings
+import weakref
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from functools import cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 MIN_ROWS = 5
@@ -32,6 +46,11 @@ FORWARD_MIN_ROWS = 8
 """Fewest tokens in a forward (rows over the batch) for which :func:`matmul_mode` enters the mode:
 the function mode itself costs ~2.5 us per torch call (~10 ms per SmolLM2 forward), which small
 forwards do not win back (docs/perf_log.md)."""
+FUSED_MAX_ROWS = 48
+"""Most input rows a product takes through the fused kernel; larger ones (prefill) run faster as fp32
+MKL products after conversion (docs/perf_log.md)."""
+FUSED_ENV = "SELFDRAFT_FUSED_BF16"
+"""Set to 0 to keep the fused kernel off (no build, PyTorch's kernels and the fp32 route only)."""
 BLOCK_ROWS = 2048
 """Weight rows converted per block: a decoder layer's projections fit in one (2048 x 576 fp32 is 4.7 MB,
 in cache for its product); a vocabulary projection goes block by block."""
@@ -46,8 +65,13 @@ def native_bf16_matmul(device_type: str = "cpu") -> bool:
 
 
 def cpu_report() -> dict:
-    """What decides CPU matmul speed here: the ISA level PyTorch uses and native bf16 support."""
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16_matmul": native_bf16_matmul("cpu")}
+    """What decides CPU matmul speed here: the ISA level PyTorch uses, native bf16 support and whether
+    small bf16 products run on the fused kernel."""
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16_matmul": native_bf16_matmul("cpu"),
+        "fused_bf16_kernel": fused_kernel() is not None,
+    }
 
 
 def resolve_mixed_precision(requested: str, device_type: str) -> str:
@@ -69,6 +93,135 @@ def matmul_mode(dtype: torch.dtype, device: torch.device, rows: int) -> Abstract
     if dtype != torch.bfloat16 or device.type != "cpu" or rows < FORWARD_MIN_ROWS or native_bf16_matmul("cpu"):
         return nullcontext()
     return _shared_mode()
+
+
+@cache
+def build_fused_kernel():
+    """Compile (or load the cached build of) the bf16 kernel module; None on a CPU without AVX2 or
+    where it cannot be built (warned once)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in (
+        "AVX2",
+        "AVX512",
+    ):
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        name = "selfdraft_bf16_linear"
+        built = Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
+        if not built.exists():
+            print("selfdraft: building the bf16 CPU kernel (once per machine, about a minute)", file=sys.stderr)
+        return cpp_extension.load(
+            name=name,
+            sources=[str(Path(__file__).parent / "csrc" / "bf16_linear.cpp")],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as e:  # no compiler, no ninja, ...: slower but correct without it
+        warnings.warn(
+            f"selfdraft: could not build the bf16 CPU kernel ({type(e).__name__}: {e}); small bf16 "
+            f"products use PyTorch's kernels (slower). Install a C++ compiler and ninja, or set "
+            f"{FUSED_ENV}=0 to silence this.",
+            stacklevel=2,
+        )
+        return None
+
+
+def fused_kernel():
+    """The bf16 kernel module where it applies (a CPU without native bf16, ``SELFDRAFT_FUSED_BF16`` not
+    0), else None."""
+    if os.environ.get(FUSED_ENV, "1") == "0" or native_bf16_matmul("cpu"):
+        return None
+    return build_fused_kernel()
+
+
+def _fused_forward(module: nn.Linear, kernel, max_rows: int):
+    def forward(x: Tensor) -> Tensor:
+        weight, bias = module.weight, module.bias
+        if (
+            x.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16
+            and x.numel() <= max_rows * x.shape[-1]
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        ):
+            return kernel.bf16_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    return forward
+
+
+class FusedLinears:
+    """Within ``with``, the bf16 CPU ``nn.Linear`` modules under ``roots`` run products over at most
+    ``max_rows`` rows (inference only) through the fused kernel; anything else goes to ``F.linear``.
+
+    Each module's ``forward`` is replaced by an instance attribute while inside and restored on exit,
+    so code outside (HF ``generate``, training) sees the modules untouched; weights are never copied.
+    Re-entrant: nested entries are free. Modules whose ``forward`` is already replaced (accelerate
+    hooks) are left alone.
+    """
+
+    def __init__(self, kernel, roots: list[nn.Module], max_rows: int = FUSED_MAX_ROWS):
+        seen: dict[int, nn.Linear] = {}
+        for root in roots:
+            for m in root.modules():
+                if (
+                    type(m) is nn.Linear
+                    and m.weight.dtype == torch.bfloat16
+                    and m.weight.device.type == "cpu"
+                    and "forward" not in vars(m)
+                ):
+                    seen.setdefault(id(m), m)
+        self._modules = [weakref.ref(m) for m in seen.values()]
+        self.kernel, self.max_rows, self.depth = kernel, max_rows, 0
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __enter__(self) -> FusedLinears:
+        if self.depth == 0:
+            for ref in self._modules:
+                if (m := ref()) is not None:
+                    m.forward = _fused_forward(m, self.kernel, self.max_rows)
+        self.depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            for ref in self._modules:
+                if (m := ref()) is not None:
+                    vars(m).pop("forward", None)
+
+
+_FUSED: weakref.WeakKeyDictionary[nn.Module, FusedLinears] = weakref.WeakKeyDictionary()
+
+
+def fused_linears(*roots: nn.Module | None) -> AbstractContextManager:
+    """:class:`FusedLinears` over the given modules (None entries skipped), cached per first root;
+    a null context where the kernel does not apply."""
+    mods = [r for r in roots if r is not None]
+    kernel = fused_kernel() if mods else None
+    if kernel is None:
+        return nullcontext()
+    fl = _FUSED.get(mods[0])
+    if fl is None:
+        fl = _FUSED[mods[0]] = FusedLinears(kernel, mods)
+    return fl
+
+
+def forward_products(model: nn.Module, dtype: torch.dtype, device: torch.device, rows: int) -> AbstractContextManager:
+    """The context for one forward of ``rows`` tokens through ``model``: on a CPU without native bf16
+    and bf16 weights, the fused kernel for small products and the fp32 route for forwards too large
+    for it; elsewhere nothing (PyTorch's own kernels)."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or native_bf16_matmul("cpu"):
+        return nullcontext()
+    if fused_kernel() is None:
+        return matmul_mode(dtype, device, rows)
+    stack = ExitStack()
+    stack.enter_context(fused_linears(model))
+    if rows > FUSED_MAX_ROWS:
+        stack.enter_context(_shared_mode())
+    return stack
 
 
 def upcast_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scratch: Tensor) -> Tensor:

@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,12 +64,29 @@ class TuneConfig:
     out: str = opt("", "also write the full measurements as JSON to this file")
 
 
+def setup_differences(measured_on: dict, here: dict) -> dict[str, tuple]:
+    """The CPU-report fields (:func:`selfdraft.kernels.cpu_report`) in which the machine a tree was
+    tuned on differs from this one, as {field: (there, here)}; a field missing there (recorded by an
+    older version) counts as False. Tunes older than the report itself are taken as they are."""
+    if "cpu_capability" not in measured_on:
+        return {}
+    return {k: (measured_on.get(k, False), v) for k, v in here.items() if measured_on.get(k, False) != v}
+
+
 def read_tuned(head_dir: str | Path) -> dict:
-    """The drafter options saved by ``selfdraft tune`` for this head ({} if it was never tuned)."""
+    """The drafter options saved by ``selfdraft tune`` for this head ({} if it was never tuned, or
+    tuned on a CPU setup unlike this one: that tune's timings say nothing here; a message says so)."""
     path = Path(head_dir) / TUNE_FILE
     if not path.is_file():
         return {}
-    return dict(json.loads(path.read_text()).get("drafter_options", {}))
+    tuned = json.loads(path.read_text())
+    differs = setup_differences(tuned.get("tuned_for", {}), cpu_report())
+    if differs:
+        shown = ", ".join(f"{k} {a} there, {b} here" for k, (a, b) in differs.items())
+        print(f"[tune] ignoring {path}: it was measured on a different CPU setup ({shown}); run "
+              f"`selfdraft tune --head {head_dir}` here to pick a tree for this machine", file=sys.stderr)
+        return {}
+    return dict(tuned.get("drafter_options", {}))
 
 
 def median_time(fn, reps: int) -> float:

@@ -93,3 +93,22 @@ def test_tune_end_to_end_saves_and_is_used(fitted, tiny_target_dir, tmp_path, ca
     override = build_drafter("head", target.model, path=str(head_dir), total_tokens=1)
     assert override.total_tokens == 1, "explicit options must win over tune.json"
     assert "tuned for this machine" in capsys.readouterr().err
+
+
+def test_a_tune_from_another_cpu_setup_is_ignored(tmp_path, capsys):
+    """Guards read_tuned: a tree tuned where products ran on other kernels (no fused kernel, native bf16)
+    says nothing about this machine's timings, so it is ignored with a message; a matching one is used."""
+    from selfdraft.kernels import cpu_report
+    from selfdraft.tune import TUNE_FILE, setup_differences
+
+    here = cpu_report()
+    options = {"depth": 2, "top_k": 2, "total_tokens": 4}
+    (tmp_path / TUNE_FILE).write_text(json.dumps({"drafter_options": options, "tuned_for": {"target": "x", **here}}))
+    assert read_tuned(tmp_path) == options
+    other = {**here, "fused_bf16_kernel": not here["fused_bf16_kernel"]}
+    (tmp_path / TUNE_FILE).write_text(json.dumps({"drafter_options": options, "tuned_for": other}))
+    assert read_tuned(tmp_path) == {}
+    assert "different CPU setup" in capsys.readouterr().err
+    older = {k: v for k, v in here.items() if k != "fused_bf16_kernel"}  # recorded before the kernel existed
+    assert setup_differences(older, here) == ({"fused_bf16_kernel": (False, True)} if here["fused_bf16_kernel"] else {})
+    assert setup_differences({"target": "x"}, here) == {}

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from selfdraft.cache import PreallocatedLayer
 from selfdraft.drafters.base import Draft, StepResult
+from selfdraft.kernels import fused_linears
 from selfdraft.sampling import SamplingConfig
 from selfdraft.tree import Tree, top_nodes_by_score, tree_from_parents
 
@@ -77,7 +78,8 @@ class EagleDrafter:
         return self.head.complete(residual, q, keys, values, mask[None, None])[0]
 
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        tree, node_tokens, scores = self.expand(tokens)
+        with fused_linears(self.head, getattr(self.head, "lm_head", None)):
+            tree, node_tokens, scores = self.expand(tokens)
         # 3. rerank
         tree, keep = top_nodes_by_score(tree, scores, self.total_tokens)
         return Draft(tree, node_tokens[keep])
