@@ -18,8 +18,8 @@ For the small forwards of decoding (one token, a draft tree, a head step) the co
 the cost. :class:`FusedLinears` routes the bf16 ``nn.Linear`` modules of a model through a compiled
 kernel (``selfdraft/csrc/bf16_linear.cpp``, AVX2 + FMA, built on first use with
 ``torch.utils.cpp_extension``) that widens the weights in registers and accumulates in fp32: on the
-2-core AVX2 machine a SmolLM2 forward's products cost 12 ms for 1 token and ~36 ms for 9 (PyTorch's
-bf16 kernels: 26 and 168 ms; docs/perf_log.md). :func:`forward_products` picks the route for one
+2-core AVX2 machine a SmolLM2 forward's products cost 16.7 ms for 1 token and 37 ms for 9, the whole
+forward 32 and 55 ms (PyTorch's bf16 kernels: 47 and 179 ms; docs/perf_log.md). :func:`forward_products` picks the route for one
 forward; ``SELFDRAFT_FUSED_BF16=0`` turns the kernel off.
 """
 
@@ -47,8 +47,10 @@ FORWARD_MIN_ROWS = 8
 the function mode itself costs ~2.5 us per torch call (~10 ms per SmolLM2 forward), which small
 forwards do not win back (docs/perf_log.md)."""
 FUSED_MAX_ROWS = 48
-"""Most input rows a product takes through the fused kernel; larger ones (prefill) run faster as fp32
-MKL products after conversion (docs/perf_log.md)."""
+"""Most input rows a product takes through the fused kernel; larger ones go to the fp32 route. On the
+2-core AVX2 machine whole forwards of 64-192 tokens cost the same either way within noise (64: 288
+vs 327 ms, 192: 786 vs 702 ms); the fp32 route's MKL GEMM (124 GFLOP/s against the kernel's ~65)
+wins for long prefills."""
 FUSED_ENV = "SELFDRAFT_FUSED_BF16"
 """Set to 0 to keep the fused kernel off (no build, PyTorch's kernels and the fp32 route only)."""
 BLOCK_ROWS = 2048
@@ -205,7 +207,7 @@ def fused_linears(*roots: nn.Module | None) -> AbstractContextManager:
         return nullcontext()
     fl = _FUSED.get(mods[0])
     if fl is None:
-        fl = _FUSED[mods[0]] = FusedLinears(kernel, mods)
+        fl = _FUSED[mods[0]] = FusedLinears(kernel, mods, FUSED_MAX_ROWS)
     return fl
 
 
