@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -118,7 +119,7 @@ def test_two_cpu_processes_agree(tiny_target_dir, data_file, tmp_path):
            f"out_dir={tmp_path}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    digests = sorted(line.split()[-1] for line in proc.stdout.splitlines() if "head digest" in line)
+    digests = sorted(re.findall(r"head digest ([0-9a-f]{64})", proc.stdout))
     assert "MULTI_CPU x2" in proc.stdout, proc.stdout[-2000:]
     assert len(digests) == 2 and digests[0] == digests[1], proc.stdout[-2000:]
 

@@ -401,7 +401,9 @@ def main(cfg: TrainConfig) -> Path:
     accelerator.print("[eval] " + " ".join(f"{k} {v:.3f}" for k, v in sorted(eval_metrics.items())))
     save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed})
     head_dir = out_dir / "head"
-    print(f"[rank {accelerator.process_index}] head digest {weights_digest(accelerator.unwrap_model(head))}")
+    # one write with its newline: every rank prints this line to a shared stdout
+    digest = weights_digest(accelerator.unwrap_model(head))
+    print(f"[rank {accelerator.process_index}] head digest {digest}\n", end="", flush=True)
     if weights_digest(model) != frozen_before:
         raise RuntimeError("the frozen target's weights changed during training")
     accelerator.print("[check] target weights bit-identical before and after training"
