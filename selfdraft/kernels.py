@@ -97,6 +97,15 @@ def matmul_mode(dtype: torch.dtype, device: torch.device, rows: int) -> Abstract
     return _shared_mode()
 
 
+def _built(cpp_extension, name: str) -> bool:
+    """Whether torch's extension cache already holds a build (only decides whether to announce one:
+    the lookup uses a private torch helper, so any failure just means "announce")."""
+    try:
+        return (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").exists()
+    except Exception:
+        return False
+
+
 @cache
 def build_fused_kernel():
     """Compile (or load the cached build of) the bf16 kernel module; None on a CPU without AVX2 or
@@ -110,8 +119,7 @@ def build_fused_kernel():
         from torch.utils import cpp_extension
 
         name = "selfdraft_bf16_linear"
-        built = Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
-        if not built.exists():
+        if not _built(cpp_extension, name):
             print("selfdraft: building the bf16 CPU kernel (once per machine, about a minute)", file=sys.stderr)
         return cpp_extension.load(
             name=name,
@@ -137,8 +145,12 @@ def fused_kernel():
     return build_fused_kernel()
 
 
-def _fused_forward(module: nn.Linear, kernel, max_rows: int):
+def _fused_forward(ref: weakref.ref, kernel, max_rows: int):
+    """The ``forward`` FusedLinears installs on the module ``ref`` points to (a weak reference: the
+    function is kept between entries and must not keep the module alive)."""
+
     def forward(x: Tensor) -> Tensor:
+        module = ref()
         weight, bias = module.weight, module.bias
         if (
             x.dtype == torch.bfloat16
@@ -173,24 +185,26 @@ class FusedLinears:
                     and "forward" not in vars(m)
                 ):
                     seen.setdefault(id(m), m)
-        self._modules = [weakref.ref(m) for m in seen.values()]
-        self.kernel, self.max_rows, self.depth = kernel, max_rows, 0
+        # built once: entering and leaving run once per forward, so they only set and drop attributes
+        refs = [weakref.ref(m) for m in seen.values()]
+        self._forwards = [(ref, _fused_forward(ref, kernel, max_rows)) for ref in refs]
+        self.depth = 0
 
     def __len__(self) -> int:
-        return len(self._modules)
+        return len(self._forwards)
 
     def __enter__(self) -> FusedLinears:
         if self.depth == 0:
-            for ref in self._modules:
+            for ref, forward in self._forwards:
                 if (m := ref()) is not None:
-                    m.forward = _fused_forward(m, self.kernel, self.max_rows)
+                    vars(m)["forward"] = forward  # what nn.Module.__setattr__ does for a plain value
         self.depth += 1
         return self
 
     def __exit__(self, *exc) -> None:
         self.depth -= 1
         if self.depth == 0:
-            for ref in self._modules:
+            for ref, _ in self._forwards:
                 if (m := ref()) is not None:
                     vars(m).pop("forward", None)
 
