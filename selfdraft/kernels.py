@@ -15,12 +15,15 @@ rounded back to bfloat16, as the bf16 kernel rounds its fp32 accumulator. Nothin
 modified or copied: its bf16 weights stay the only copy, the scratch holds one block.
 
 For the small forwards of decoding (one token, a draft tree, a head step) the conversion itself is
-the cost. :class:`FusedLinears` routes the bf16 ``nn.Linear`` modules of a model through a compiled
-kernel (``selfdraft/csrc/bf16_linear.cpp``, AVX2 + FMA, built on first use with
-``torch.utils.cpp_extension``) that widens the weights in registers and accumulates in fp32: on the
-2-core AVX2 machine a SmolLM2 forward's products cost 16.7 ms for 1 token and 37 ms for 9, the whole
-forward 32 and 55 ms (PyTorch's bf16 kernels: 47 and 179 ms; docs/perf_log.md). :func:`forward_products` picks the route for one
-forward; ``SELFDRAFT_FUSED_BF16=0`` turns the kernel off.
+the cost, and PyTorch's eager bf16 ops carry more. Compiled kernels (``selfdraft/csrc``, AVX2 + FMA,
+one module built on first use with ``torch.utils.cpp_extension``) take over there:
+:class:`FusedModules` routes a model's bf16 ``nn.Linear`` modules through a product kernel that
+widens the weights in registers and accumulates in fp32 (on the 2-core AVX2 machine a SmolLM2
+forward's products cost 16.7 ms for 1 token and 37 ms for 9, against 26-41 and 132-168 ms), and its
+RMSNorm modules through a one-pass norm kernel; :class:`FusedAttention` routes SDPA attention over
+few query positions through an attention kernel reading the bf16 cache directly.
+:func:`forward_products` picks the routes for one forward; ``SELFDRAFT_FUSED_BF16=0`` turns the
+kernels off (docs/perf_log.md has the measurements).
 """
 
 from __future__ import annotations
@@ -53,6 +56,15 @@ vs 327 ms, 192: 786 vs 702 ms); the fp32 route's MKL GEMM (124 GFLOP/s against t
 wins for long prefills."""
 FUSED_ENV = "SELFDRAFT_FUSED_BF16"
 """Set to 0 to keep the fused kernel off (no build, PyTorch's kernels and the fp32 route only)."""
+FUSED_ATTENTION_MAX_QUERIES = 16
+"""Most query positions (per row) an attention call takes through the fused kernel. On the 2-core AVX2
+machine, 9 query heads over 3 KV heads and 400 cached positions: 1 query 0.04 vs 0.41 ms (PyTorch's
+bf16 SDPA), 9 queries 0.22 vs 0.27 ms, 48 queries 1.03 vs 0.71 ms; a 48-row decode step over 640
+positions 2.3 vs 23 ms per layer."""
+ATTENTION_NAME = "selfdraft_bf16"
+"""Name the fused attention is registered under in Hugging Face's attention interface."""
+KERNEL_SOURCES = ("bindings.cpp", "bf16_linear.cpp", "bf16_attention.cpp", "bf16_rms_norm.cpp")
+"""Sources of the kernel module under selfdraft/csrc (kernels.h holds what they share)."""
 BLOCK_ROWS = 2048
 """Weight rows converted per block: a decoder layer's projections fit in one (2048 x 576 fp32 is 4.7 MB,
 in cache for its product); a vocabulary projection goes block by block."""
@@ -118,12 +130,14 @@ def build_fused_kernel():
     try:
         from torch.utils import cpp_extension
 
-        name = "selfdraft_bf16_linear"
+        name = "selfdraft_cpu_kernels"
         if not _built(cpp_extension, name):
-            print("selfdraft: building the bf16 CPU kernel (once per machine, about a minute)", file=sys.stderr)
+            print("selfdraft: building the bf16 CPU kernels (once per machine, a minute or two)", file=sys.stderr)
+        csrc = Path(__file__).parent / "csrc"
         return cpp_extension.load(
             name=name,
-            sources=[str(Path(__file__).parent / "csrc" / "bf16_linear.cpp")],
+            sources=[str(csrc / f) for f in KERNEL_SOURCES],
+            extra_include_paths=[str(csrc)],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
@@ -146,8 +160,8 @@ def fused_kernel():
 
 
 def _fused_forward(ref: weakref.ref, kernel, max_rows: int):
-    """The ``forward`` FusedLinears installs on the module ``ref`` points to (a weak reference: the
-    function is kept between entries and must not keep the module alive)."""
+    """The ``forward`` FusedModules installs on the ``nn.Linear`` that ``ref`` points to (a weak
+    reference: the function is kept between entries and must not keep the module alive)."""
 
     def forward(x: Tensor) -> Tensor:
         module = ref()
@@ -164,9 +178,60 @@ def _fused_forward(ref: weakref.ref, kernel, max_rows: int):
     return forward
 
 
-class FusedLinears:
+def _fused_norm_forward(ref: weakref.ref, kernel, eps: float, unit_offset: bool):
+    """The ``forward`` FusedModules installs on the RMSNorm module ``ref`` points to."""
+
+    def forward(x: Tensor) -> Tensor:
+        module = ref()
+        if x.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)):
+            return kernel.bf16_rms_norm(x, module.weight, eps, unit_offset)
+        return type(module).forward(module, x)
+
+    return forward
+
+
+def rms_norm_convention(module: nn.Module, kernel) -> tuple[float, bool] | None:
+    """``(eps, unit_offset)`` for which the kernel's RMSNorm reproduces ``module``'s own forward, or None.
+
+    Candidates are modules whose class name ends in ``RMSNorm`` with a 1-D bf16 CPU ``weight`` and an
+    ``eps`` / ``variance_epsilon``; each is run once on a probe input against both conventions
+    (``weight * bf16(x_hat)`` and ``bf16(x_hat * (1 + weight))``) and kept only where one matches to
+    within a bf16 rounding step, with the module's own weights (fixed during inference): a norm with
+    other arithmetic stays on its own forward.
+    """
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if (
+        not type(module).__name__.endswith("RMSNorm")
+        or not isinstance(weight, Tensor)
+        or weight.dim() != 1
+        or weight.dtype != torch.bfloat16
+        or weight.device.type != "cpu"
+        or not isinstance(eps, float)
+        or "forward" in vars(module)
+    ):
+        return None
+    probe = (torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)) * 4).bfloat16()
+    with torch.no_grad():
+        try:
+            want = module(probe)
+        except Exception:
+            return None
+        if not isinstance(want, Tensor) or want.shape != probe.shape or want.dtype != torch.bfloat16:
+            return None
+        want = want.float()
+        for unit_offset in (False, True):
+            got = kernel.bf16_rms_norm(probe, weight, eps, unit_offset).float()
+            if bool(((got - want).abs() <= want.abs() * 2**-7 + 1e-30).all()):
+                return eps, unit_offset
+    return None
+
+
+class FusedModules:
     """Within ``with``, the bf16 CPU ``nn.Linear`` modules under ``roots`` run products over at most
-    ``max_rows`` rows (inference only) through the fused kernel; anything else goes to ``F.linear``.
+    ``max_rows`` rows (inference only) through the fused product kernel, and their RMSNorm modules
+    through the fused norm kernel (where :func:`rms_norm_convention` finds it reproduces them);
+    anything else goes to the module's own computation.
 
     Each module's ``forward`` is replaced by an instance attribute while inside and restored on exit,
     so code outside (HF ``generate``, training) sees the modules untouched; weights are never copied.
@@ -175,25 +240,30 @@ class FusedLinears:
     """
 
     def __init__(self, kernel, roots: list[nn.Module], max_rows: int = FUSED_MAX_ROWS):
-        seen: dict[int, nn.Linear] = {}
+        seen: dict[int, nn.Module] = {}
         for root in roots:
             for m in root.modules():
-                if (
-                    type(m) is nn.Linear
-                    and m.weight.dtype == torch.bfloat16
-                    and m.weight.device.type == "cpu"
-                    and "forward" not in vars(m)
-                ):
-                    seen.setdefault(id(m), m)
+                seen.setdefault(id(m), m)
         # built once: entering and leaving run once per forward, so they only set and drop attributes
-        refs = [weakref.ref(m) for m in seen.values()]
-        self._forwards = [(ref, _fused_forward(ref, kernel, max_rows)) for ref in refs]
+        self._forwards = []
+        self.linears = self.norms = 0
+        for m in seen.values():
+            if "forward" in vars(m):
+                continue
+            if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
+                ref = weakref.ref(m)
+                self._forwards.append((ref, _fused_forward(ref, kernel, max_rows)))
+                self.linears += 1
+            elif (convention := rms_norm_convention(m, kernel)) is not None:
+                ref = weakref.ref(m)
+                self._forwards.append((ref, _fused_norm_forward(ref, kernel, *convention)))
+                self.norms += 1
         self.depth = 0
 
     def __len__(self) -> int:
         return len(self._forwards)
 
-    def __enter__(self) -> FusedLinears:
+    def __enter__(self) -> FusedModules:
         if self.depth == 0:
             for ref, forward in self._forwards:
                 if (m := ref()) is not None:
@@ -209,32 +279,120 @@ class FusedLinears:
                     vars(m).pop("forward", None)
 
 
-_FUSED: weakref.WeakKeyDictionary[nn.Module, FusedLinears] = weakref.WeakKeyDictionary()
+_FUSED: weakref.WeakKeyDictionary[nn.Module, FusedModules] = weakref.WeakKeyDictionary()
 
 
-def fused_linears(*roots: nn.Module | None) -> AbstractContextManager:
-    """:class:`FusedLinears` over the given modules (None entries skipped), cached per first root;
+def fused_modules(*roots: nn.Module | None) -> AbstractContextManager:
+    """:class:`FusedModules` over the given modules (None entries skipped), cached per first root;
     a null context where the kernel does not apply."""
     mods = [r for r in roots if r is not None]
     kernel = fused_kernel() if mods else None
     if kernel is None:
         return nullcontext()
-    fl = _FUSED.get(mods[0])
-    if fl is None:
-        fl = _FUSED[mods[0]] = FusedLinears(kernel, mods, FUSED_MAX_ROWS)
-    return fl
+    fm = _FUSED.get(mods[0])
+    if fm is None:
+        fm = _FUSED[mods[0]] = FusedModules(kernel, mods, FUSED_MAX_ROWS)
+    return fm
+
+
+def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+               dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """The attention function :class:`FusedAttention` selects (Hugging Face's attention-interface
+    signature): the fused kernel for bf16 inference over at most FUSED_ATTENTION_MAX_QUERIES query
+    positions, HF's SDPA attention for anything else."""
+    kernel = fused_kernel()
+    n, d = query.shape[2], query.shape[-1]
+    if (
+        kernel is not None
+        and query.dtype == key.dtype == value.dtype == torch.bfloat16
+        and query.device.type == "cpu"
+        and n <= FUSED_ATTENTION_MAX_QUERIES
+        and (attention_mask is not None or n == 1)
+        and d % 8 == 0
+        and key.shape[-1] == value.shape[-1] == d
+        and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions", False)
+        and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
+        and not (module.training and dropout > 0)
+    ):
+        scale = scaling if scaling is not None else d**-0.5
+        return kernel.bf16_attention(query, key, value, attention_mask, scale), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+@cache
+def _register_attention() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _attention)
+    return ATTENTION_NAME
+
+
+class FusedAttention:
+    """Within ``with``, the attention layers of ``model`` that use SDPA call :func:`_attention` instead
+    (bf16 attention over few query positions through the fused kernel).
+
+    The switch is the attention implementation named in the layers' configs (Hugging Face looks it up
+    on every call), set on entry and restored on exit: code outside (HF ``generate``, training) sees
+    the model as loaded. Re-entrant. Layers configured for another implementation are left alone.
+    """
+
+    def __init__(self, model: nn.Module):
+        configs: dict[int, object] = {}
+        for m in model.modules():
+            cfg = getattr(m, "config", None)
+            if cfg is not None and getattr(cfg, "_attn_implementation", None) == "sdpa":
+                configs.setdefault(id(cfg), cfg)
+        self._configs = list(configs.values())
+        self.depth = 0
+
+    def __len__(self) -> int:
+        return len(self._configs)
+
+    def __enter__(self) -> FusedAttention:
+        if self.depth == 0:
+            name = _register_attention()
+            for cfg in self._configs:
+                cfg._attn_implementation = name
+        self.depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            for cfg in self._configs:
+                cfg._attn_implementation = "sdpa"
+
+
+_ATTENTION: weakref.WeakKeyDictionary[nn.Module, FusedAttention] = weakref.WeakKeyDictionary()
+
+
+def fused_attention(model: nn.Module) -> AbstractContextManager:
+    """:class:`FusedAttention` for ``model`` (cached per model); a null context where the kernel does
+    not apply."""
+    if fused_kernel() is None:
+        return nullcontext()
+    fa = _ATTENTION.get(model)
+    if fa is None:
+        fa = _ATTENTION[model] = FusedAttention(model)
+    return fa
 
 
 def forward_products(model: nn.Module, dtype: torch.dtype, device: torch.device, rows: int) -> AbstractContextManager:
     """The context for one forward of ``rows`` tokens through ``model``: on a CPU without native bf16
-    and bf16 weights, the fused kernel for small products and the fp32 route for forwards too large
-    for it; elsewhere nothing (PyTorch's own kernels)."""
+    and bf16 weights, the fused kernels for small products and for attention over few query positions,
+    and the fp32 route for forwards too large for the product kernel; elsewhere nothing (PyTorch's
+    own kernels)."""
     if dtype != torch.bfloat16 or device.type != "cpu" or native_bf16_matmul("cpu"):
         return nullcontext()
     if fused_kernel() is None:
         return matmul_mode(dtype, device, rows)
     stack = ExitStack()
-    stack.enter_context(fused_linears(model))
+    stack.enter_context(fused_modules(model))
+    stack.enter_context(fused_attention(model))
     if rows > FUSED_MAX_ROWS:
         stack.enter_context(_shared_mode())
     return stack

@@ -12,10 +12,10 @@ from conftest import random_prompt, tiny_model
 import selfdraft.kernels as kernels
 from selfdraft.adapter import new_cache, tree_forward
 from selfdraft.kernels import (
-    FusedLinears,
+    FusedModules,
     UpcastMatmuls,
     build_fused_kernel,
-    fused_linears,
+    fused_modules,
     matmul_mode,
     resolve_mixed_precision,
     upcast_linear,
@@ -87,25 +87,30 @@ def test_matmul_mode_applies_only_where_bf16_is_not_native(monkeypatch):
 
 
 @pytest.mark.parametrize("route", ["fused", "upcast"])
-def test_tree_forward_with_other_products_matches_bf16_kernels(monkeypatch, route):
-    """Guards the adapter's routes (the fused kernel for a small forward, the fp32 mode for a large one):
-    a bf16 target's tree forward gives the same logits within bf16 rounding and the same argmax at
-    (nearly) every node as with PyTorch's bf16 kernels."""
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_tree_forward_with_other_products_matches_bf16_kernels(monkeypatch, route, arch):
+    """Guards the adapter's routes (the fused kernels for a small forward, the fp32 mode for a large
+    one): a bf16 target's tree forward gives the same logits within bf16 rounding and the same argmax
+    at (nearly) every node as with PyTorch's bf16 kernels. Gemma-3: sliding-window masks, (1 + w)
+    norms and q/k norms through the kernels."""
     if route == "fused" and build_fused_kernel() is None:
         pytest.skip("the fused bf16 kernel needs an x86 CPU with AVX2 and a C++ compiler")
-    model = tiny_model("llama", dtype=torch.bfloat16)
-    prompt = torch.tensor([random_prompt(20, 3)])
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    prompt = torch.tensor([random_prompt(14, 3)])  # 14 > the tiny Gemma-3's sliding window of 6
     if route == "upcast":
         monkeypatch.setattr(kernels, "fused_kernel", lambda: None)
-    else:  # the 20-token prefill is a small forward: no fp32 mode, every product fused
+    else:  # the 14-token prefill is a small forward: no fp32 mode, every product fused
         monkeypatch.setattr(kernels, "_shared_mode", lambda: pytest.fail("fp32 mode entered for a small forward"))
-    calls = []
+    calls = {"bf16_linear": 0, "bf16_attention": 0, "bf16_rms_norm": 0}
     real_build = kernels.build_fused_kernel()
 
     class Spy:
-        def bf16_linear(self, x, w, b):
-            calls.append(x.shape)
-            return real_build.bf16_linear(x, w, b)
+        def __getattr__(self, name):
+            def call(*args):
+                calls[name] += 1
+                return getattr(real_build, name)(*args)
+
+            return call
 
     if route == "fused":
         monkeypatch.setattr(kernels, "build_fused_kernel", lambda: Spy())
@@ -117,8 +122,13 @@ def test_tree_forward_with_other_products_matches_bf16_kernels(monkeypatch, rout
             return tree_forward(model, cache, prompt, chain_tree(prompt.shape[1] - 1)).logits.float()
 
     eager, upcast = logits(False), logits(True)
+    assert model.config._attn_implementation == "sdpa"  # restored after the forward
+    layers = model.config.num_hidden_layers
     if route == "fused":
-        assert len(calls) >= 7 * model.config.num_hidden_layers, f"{len(calls)} fused products"
+        norms = 2 * layers + 1 + (2 * 2 * layers if arch == "gemma3" else 0)  # Gemma-3: 4 per layer + q/k norms
+        assert calls["bf16_linear"] >= 7 * layers, calls
+        assert calls["bf16_attention"] == layers, calls
+        assert calls["bf16_rms_norm"] >= norms, calls
     scale = eager.abs().max().item()
     diff = (eager - upcast).abs().max().item()
     agree = (eager.argmax(-1) == upcast.argmax(-1)).float().mean().item()
@@ -161,7 +171,7 @@ def test_fused_kernel_rejects_bad_input():
         kernel.bf16_linear(torch.randn(3, 16), torch.randn(4, 16), None)
 
 
-def test_fused_linears_route_small_inference_products_and_restore_the_modules():
+def test_fused_modules_route_small_inference_products_and_restore_the_modules():
     """Guards the module routing: inside, small bf16 inference products go to the kernel and large
     ones, fp32 weights and autograd to F.linear; nesting is free; outside, every module is as before
     (no instance forward left behind) and modules with their own forward hook are skipped."""
@@ -178,7 +188,7 @@ def test_fused_linears_route_small_inference_products_and_restore_the_modules():
     hooked = torch.nn.Linear(8, 8).bfloat16()
     hooked.forward = lambda x: x  # e.g. an accelerate hook
     model.append(hooked)
-    fl = FusedLinears(Spy(), [model], max_rows=4)
+    fl = FusedModules(Spy(), [model], max_rows=4)
     assert len(fl) == 2
     x = torch.randn(3, 16).bfloat16()
     with torch.no_grad():
@@ -195,10 +205,134 @@ def test_fused_linears_route_small_inference_products_and_restore_the_modules():
     assert model[0].weight.grad is not None
 
 
-def test_fused_linears_is_null_where_the_kernel_does_not_apply(monkeypatch):
+def test_fused_modules_is_null_where_the_kernel_does_not_apply(monkeypatch):
     model = torch.nn.Linear(8, 8).bfloat16()
     monkeypatch.setattr(kernels, "native_bf16_matmul", lambda device_type="cpu": True)
-    assert isinstance(fused_linears(model), nullcontext)
+    assert isinstance(fused_modules(model), nullcontext)
     monkeypatch.setattr(kernels, "native_bf16_matmul", lambda device_type="cpu": False)
     monkeypatch.setenv(kernels.FUSED_ENV, "0")
-    assert isinstance(fused_linears(model), nullcontext)
+    assert isinstance(fused_modules(model), nullcontext)
+
+
+def sdpa_reference(q, k, v, mask, scale):
+    """fp32 SDPA of bf16 inputs, expanded for grouped-query attention, in the kernel's (B, n, H, D) layout."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
+    if mask is not None:
+        mask = mask[..., : k.shape[2]]
+        mask = mask if mask.dtype == torch.bool else mask.float()
+    out = torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize(
+    "b,h,hk,n,length,d",
+    [(1, 9, 3, 1, 143, 64), (1, 9, 3, 9, 150, 64), (3, 4, 1, 5, 37, 256), (2, 6, 6, 13, 21, 16), (4, 2, 2, 16, 3, 8)],
+)
+def test_fused_attention_kernel_is_sdpa(b, h, hk, n, length, d):
+    """Guards the attention kernel: grouped heads, query blocks and row tiles with remainders, head
+    sizes, key/value views into a longer cache (row strides), masks wider than the keys, additive
+    bf16 / fp32 and bool masks, a mask broadcast over the batch, no mask."""
+    kernel = fused()
+    torch.manual_seed(b * 100 + n + length)
+    q = torch.randn(b, n, h, d).bfloat16().transpose(1, 2)  # HF's layout: a transposed view
+    k = torch.randn(b, hk, length + 7, d).bfloat16()[:, :, :length]
+    v = torch.randn(b, hk, length + 7, d).bfloat16()[:, :, :length]
+    visible = torch.rand(b, 1, n, length + 3) > 0.3
+    visible[..., 0] = True
+    additive = torch.zeros(b, 1, n, length + 3, dtype=torch.bfloat16).masked_fill_(~visible, torch.finfo(torch.bfloat16).min)
+    for mask in (additive, additive.float(), visible, visible[:1], None):
+        got = kernel.bf16_attention(q, k, v, mask, d**-0.5)
+        want = sdpa_reference(q, k, v, mask, d**-0.5)
+        assert got.dtype == torch.bfloat16 and got.shape == (b, n, h, d)
+        diff = (got.float() - want).abs().max().item()
+        assert diff <= 2e-2 * max(1.0, want.abs().max().item()), f"mask {None if mask is None else mask.dtype}: {diff}"
+
+
+def test_fused_attention_kernel_edges_and_bad_input():
+    """A query row with every key masked out (bool) gives zeros, not NaN; bad shapes and dtypes raise
+    with the reason."""
+    kernel = fused()
+    q, k = torch.randn(1, 2, 2, 8).bfloat16(), torch.randn(1, 1, 4, 8).bfloat16()
+    mask = torch.ones(1, 1, 2, 4, dtype=torch.bool)
+    mask[0, 0, 1] = False
+    out = kernel.bf16_attention(q, k, k, mask, 1.0)
+    assert torch.isfinite(out.float()).all() and (out[0, 1] == 0).all()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel.bf16_attention(q.float(), k, k, None, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        kernel.bf16_attention(torch.randn(1, 3, 2, 8).bfloat16(), torch.randn(1, 2, 4, 8).bfloat16(),
+                              torch.randn(1, 2, 4, 8).bfloat16(), None, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        kernel.bf16_attention(torch.randn(1, 1, 1, 6).bfloat16(), torch.randn(1, 1, 4, 6).bfloat16(),
+                              torch.randn(1, 1, 4, 6).bfloat16(), None, 1.0)
+    with pytest.raises(RuntimeError, match="mask must be"):
+        kernel.bf16_attention(q, k, k, torch.zeros(1, 1, 2, 3), 1.0)
+
+
+def test_rms_norm_kernel_reproduces_hf_norms_and_rejects_others():
+    """Guards both norm conventions against the HF modules themselves (Llama: weight * bf16(x_hat);
+    Gemma-3: bf16(x_hat * (1 + weight))), rows in parallel, and the probe that keeps a norm with other
+    arithmetic on its own forward."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    kernel = fused()
+    torch.manual_seed(5)
+    for cls, unit_offset in ((LlamaRMSNorm, False), (Gemma3RMSNorm, True)):
+        norm = cls(72, eps=1e-6).bfloat16()
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(72) * 0.5 + (0 if unit_offset else 1))
+            assert kernels.rms_norm_convention(norm, kernel) == (1e-6, unit_offset)
+            for rows in (1, 3, 700):
+                x = (torch.randn(rows, 72) * 3).bfloat16()
+                want, got = norm(x).float(), kernel.bf16_rms_norm(x, norm.weight, 1e-6, unit_offset).float()
+                ulp = (want.abs() * 2**-7).clamp_min(1e-30)
+                assert ((got - want).abs() <= ulp).all() and (got == want).float().mean() >= 0.99, cls.__name__
+
+    class ScaledRMSNorm(LlamaRMSNorm):  # same attributes, other arithmetic
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    scaled = ScaledRMSNorm(72).bfloat16()
+    with torch.no_grad():
+        scaled.weight.copy_(torch.randn(72))  # (with weight 1 it would equal the Gemma convention)
+    assert kernels.rms_norm_convention(scaled, kernel) is None
+    assert kernels.rms_norm_convention(LlamaRMSNorm(72), kernel) is None  # fp32 weights: not this kernel's
+
+
+def test_fused_attention_switches_sdpa_layers_only_inside(monkeypatch):
+    """Guards the attention route: inside, SDPA layers look up the fused attention; on exit (also
+    nested) the configured implementation is back; eager models are left alone; autograd, long query
+    runs and fp32 go to HF's SDPA."""
+    fused()
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    fa = kernels.FusedAttention(model)
+    assert len(fa) == 1
+    with fa, fa:
+        assert model.config._attn_implementation == kernels.ATTENTION_NAME
+    assert model.config._attn_implementation == "sdpa"
+    eager = tiny_model("llama", dtype=torch.bfloat16)
+    eager.config._attn_implementation = "eager"
+    assert len(kernels.FusedAttention(eager)) == 0
+    attn = model.model.layers[0].self_attn
+    calls = []
+    real = kernels.fused_kernel()
+
+    class Spy:
+        def bf16_attention(self, *args):
+            calls.append(args[0].shape[2])
+            return real.bf16_attention(*args)
+
+    monkeypatch.setattr(kernels, "fused_kernel", lambda: Spy())
+    q, k = torch.randn(1, 4, 3, 8).bfloat16(), torch.randn(1, 2, 5, 8).bfloat16()
+    mask = torch.zeros(1, 1, 3, 5, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out, _ = kernels._attention(attn, q, k, k, mask, scaling=0.3)
+        want, _ = kernels._attention(attn, q, k, k, mask, scaling=0.3, softcap=None, output_attentions=True)  # SDPA
+        long_q = torch.randn(1, 4, kernels.FUSED_ATTENTION_MAX_QUERIES + 1, 8).bfloat16()
+        kernels._attention(attn, long_q, k, k, torch.zeros(1, 1, long_q.shape[2], 5, dtype=torch.bfloat16))
+        kernels._attention(attn, q.float(), k.float(), k.float(), mask.float())
+    kernels._attention(attn, q.requires_grad_(), k, k, mask)
+    assert calls == [3], calls
+    assert (out.float() - want.float()).abs().max() <= 2e-2

@@ -6,34 +6,13 @@
 // accumulators for a tile of input rows at once: the weight streams from memory once per tile of
 // output rows, stays in L1 while every input row uses it, and nothing is converted in memory.
 // Accumulation is fp32; the result is rounded to the input's dtype (as the bf16 kernel rounds its
-// fp32 accumulator). Built on first use by selfdraft/kernels.py (torch.utils.cpp_extension).
-#include <torch/extension.h>
+// fp32 accumulator). Built with bf16_attention.cpp into one module by selfdraft/kernels.py.
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
-#include <cstdint>
-#include <cstring>
-
+namespace selfdraft {
 namespace {
-
-inline __m256 load_bf16x8(const uint16_t* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // Output of one (row, feature) pair: the fp32 sum plus bias, stored as fp32 or rounded to bf16.
 template <typename Out>
@@ -96,36 +75,33 @@ void run(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k, Out
   });
 }
 
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2, "weight must be a 2-D bfloat16 tensor");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat, "x must be bfloat16 or float32");
+}  // namespace
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2, "weight must be a 2-D bfloat16 tensor");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_linear runs on the CPU");
   TORCH_CHECK(x.size(-1) == weight.size(1), "x has ", x.size(-1), " features, weight expects ", weight.size(1));
   const int64_t k = weight.size(1), n = weight.size(0);
   const int64_t m = k == 0 ? 0 : x.numel() / k;
-  const torch::Tensor w = weight.contiguous();
+  const at::Tensor w = weight.contiguous();
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   // the input rows in fp32 (exact for bf16), contiguous
-  torch::Tensor x32 = x.scalar_type() == torch::kFloat ? x.reshape({m, k}).contiguous() : x.reshape({m, k}).to(torch::kFloat);
-  torch::Tensor b32;
+  at::Tensor x32 = x.scalar_type() == at::kFloat ? x.reshape({m, k}).contiguous() : x.reshape({m, k}).to(at::kFloat);
+  at::Tensor b32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "bias has ", bias->numel(), " entries, expected ", n);
-    b32 = bias->to(torch::kFloat).contiguous();
+    b32 = bias->to(at::kFloat).contiguous();
   }
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
   auto sizes = x.sizes().vec();
   sizes.back() = n;
-  torch::Tensor y = torch::empty(sizes, x.options());
-  if (x.scalar_type() == torch::kFloat)
+  at::Tensor y = at::empty(sizes, x.options());
+  if (x.scalar_type() == at::kFloat)
     run(x32.data_ptr<float>(), m, wp, n, k, y.data_ptr<float>(), bp);
   else
     run(x32.data_ptr<float>(), m, wp, n, k, y.data_ptr<at::BFloat16>(), bp);
   return y;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("bf16_linear", &bf16_linear, "x @ weight.T (+ bias) with a bf16 weight, fp32 accumulation",
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
-}
+}  // namespace selfdraft

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from selfdraft.cache import PreallocatedLayer
 from selfdraft.drafters.base import Draft, StepResult
-from selfdraft.kernels import fused_linears
+from selfdraft.kernels import fused_modules
 from selfdraft.sampling import SamplingConfig
 from selfdraft.tree import Tree, top_nodes_by_score, tree_from_parents
 
@@ -78,7 +78,7 @@ class EagleDrafter:
         return self.head.complete(residual, q, keys, values, mask[None, None])[0]
 
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        with fused_linears(self.head, getattr(self.head, "lm_head", None)):
+        with fused_modules(self.head, getattr(self.head, "lm_head", None)):
             tree, node_tokens, scores = self.expand(tokens)
         # 3. rerank
         tree, keep = top_nodes_by_score(tree, scores, self.total_tokens)

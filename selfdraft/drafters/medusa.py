@@ -17,7 +17,7 @@ from torch import Tensor
 
 from selfdraft.drafters.base import Draft, StepResult
 from selfdraft.heads.medusa import MedusaHeads
-from selfdraft.kernels import fused_linears
+from selfdraft.kernels import fused_modules
 from selfdraft.sampling import SamplingConfig
 from selfdraft.tree import tree_from_paths
 
@@ -56,7 +56,7 @@ class MedusaDrafter:
 
     @torch.inference_mode()
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        with fused_linears(self.heads, self.heads.target_lm_head):
+        with fused_modules(self.heads, self.heads.target_lm_head):
             logits = self.heads(self.hidden)  # (K, V)
         top = logits.topk(self.width, dim=-1).indices.cpu()  # (K, width)
         node_tokens = torch.cat([tokens[-1:], top[self.head_of, self.rank_of]])

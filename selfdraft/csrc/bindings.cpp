@@ -1,0 +1,16 @@
+// Python bindings of selfdraft's CPU kernels (see kernels.h).
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_linear", &selfdraft::bf16_linear, "x @ weight.T (+ bias) with a bf16 weight, fp32 accumulation",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
+  m.def("bf16_attention", &selfdraft::bf16_attention,
+        "softmax(scale * q k^T + mask) v for bf16 q (B, H, n, D) and cache k, v (B, Hk, L, D); out (B, n, H, D)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask") = pybind11::none(),
+        pybind11::arg("scale") = 1.0);
+  m.def("bf16_rms_norm", &selfdraft::bf16_rms_norm,
+        "RMSNorm of bf16 rows: weight * bf16(x_hat), or bf16(x_hat * (1 + weight)) with unit_offset",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("unit_offset") = false);
+}

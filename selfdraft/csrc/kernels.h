@@ -1,0 +1,43 @@
+// Shared helpers and the entry points of selfdraft's CPU kernels (one extension module, built on
+// first use by selfdraft/kernels.py; bindings.cpp exposes the entry points to Python).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace selfdraft {
+
+// Eight bf16 values widened to fp32 (a bf16 value is the top half of an fp32).
+inline __m256 load_bf16x8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// x @ weight.T (+ bias) with a bf16 weight, fp32 accumulation (bf16_linear.cpp).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+// softmax(scale * q k^T + mask) v over a bf16 cache, (batch, q positions, heads, head_dim) out (bf16_attention.cpp).
+at::Tensor bf16_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const c10::optional<at::Tensor>& mask, double scale);
+
+// RMSNorm of bf16 rows: weight * bf16(x_hat), or bf16(x_hat * (1 + weight)) with unit_offset (bf16_rms_norm.cpp).
+at::Tensor bf16_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
+
+}  // namespace selfdraft
