@@ -150,7 +150,8 @@ def head_loss(cfg: TrainConfig, head, target, batch, feats: dict | None = None) 
             feats = target_features(target, ids, attn, feature_indices(cfg, head))
     last = feats[-1]
     if cfg.head == "medusa":
-        loss, losses, accs = medusa_loss(head(last), ids, lmask, cfg.loss_decay)
+        dtype = next(head.parameters()).dtype  # fp32 heads on a bf16 target without autocast
+        loss, losses, accs = medusa_loss(head(last.to(dtype)), ids, lmask, cfg.loss_decay)
     else:
         with torch.no_grad(), frozen_products:  # the target's logits, from its (shared, frozen) lm_head
             if cfg.head == "eagle3":  # only the draft vocabulary's rows: the loss reads nothing else
