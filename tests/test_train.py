@@ -70,11 +70,12 @@ def test_training_lowers_loss_and_keeps_target_frozen(tiny_target_dir, data_file
     assert final_eval["eval/tau"] >= floor, f"real tau {final_eval['eval/tau']:.2f} (estimate {final_eval['eval/tau_estimate']:.2f})"
 
 
-def test_medusa_trains_in_fp32_on_a_bf16_target(tiny_target_dir, data_file, tmp_path):
-    """Guards Medusa-1 without autocast (CPUs without native bf16 train in fp32): the heads take the
+@pytest.mark.parametrize("head", ["medusa", "eagle1", "eagle3"])
+def test_heads_train_in_fp32_on_a_bf16_target(tiny_target_dir, data_file, tmp_path, head):
+    """Guards training without autocast (CPUs without native bf16 train in fp32): the heads take the
     bf16 target's states in fp32 and project through the shared bf16 lm_head in fp32."""
-    cfg = config(tiny_target_dir, data_file, tmp_path, head="medusa", share_lm_head=True, target_dtype="bfloat16",
-                 mixed_precision="no", max_steps=4, eval_tau_prompts=0)
+    cfg = config(tiny_target_dir, data_file, tmp_path, head=head, share_lm_head=True, target_dtype="bfloat16",
+                 mixed_precision="no", max_steps=4, eval_tau_prompts=0, draft_vocab_size=64, ttt_steps=2)
     train.main(cfg)
     rows = [r for r in metrics(tmp_path) if "loss" in r]
     assert rows and all(r["loss"] == r["loss"] for r in rows)  # trained, finite

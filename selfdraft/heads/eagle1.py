@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from selfdraft.heads.layers import MLP, Attention, RMSNorm, target_dims
+from selfdraft.heads.layers import MLP, Attention, RMSNorm, shared_projection, target_dims
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Eagle1Head(nn.Module):
 
     def logits(self, h: Tensor) -> Tensor:
         """Target-vocabulary logits of a predicted feature, through the target's lm_head."""
-        return self.lm_head(h)
+        return shared_projection(self.lm_head, h)
 
     def forward(self, features: Tensor, input_ids: Tensor, target_logits: Tensor, loss_mask: Tensor,
                 attention_mask: Tensor, feature_weight: float = 1.0, token_weight: float = 0.1,

@@ -11,6 +11,16 @@ import torch
 from torch import Tensor, nn
 
 
+def shared_projection(lm_head: nn.Module, x: Tensor) -> Tensor:
+    """The target's (shared, frozen) ``lm_head`` applied to head states ``x``. Heads trained in fp32 on
+    a bf16 target without autocast (CPUs without native bf16) project through an fp32 view of the
+    weight; in the weight's own dtype the module itself is called, so inference routes (the fused
+    CPU kernels) apply."""
+    if x.dtype == lm_head.weight.dtype:
+        return lm_head(x)
+    return nn.functional.linear(x, lm_head.weight.to(x.dtype))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

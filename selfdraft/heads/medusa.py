@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from selfdraft.heads.layers import shared_projection
+
 
 @dataclass(frozen=True)
 class MedusaConfig:
@@ -76,15 +78,7 @@ class MedusaHeads(nn.Module):
             return torch.stack([head(f) for head, f in zip(self.lm_heads, feats)])
         if self.target_lm_head is None:
             raise RuntimeError("MedusaHeads with share_lm_head=True needs attach(target.lm_head) first")
-        return torch.stack([self._project(f) for f in feats])
-
-    def _project(self, f: Tensor) -> Tensor:
-        """The target's lm_head on head features; heads trained in fp32 on a bf16 target (no autocast:
-        CPUs without native bf16) project through an fp32 view of the frozen weight."""
-        weight = self.target_lm_head.weight
-        if f.dtype == weight.dtype:
-            return self.target_lm_head(f)  # the module itself: inference routes (fused kernels) apply
-        return nn.functional.linear(f, weight.to(f.dtype))
+        return torch.stack([shared_projection(self.target_lm_head, f) for f in feats])
 
 
 def medusa_loss(
