@@ -436,7 +436,10 @@ class UpcastMatmuls(TorchFunctionMode):
     def _buffer(self, k: int, rows: int, device: torch.device) -> Tensor:
         buf = self._scratch.get((k, device))
         if buf is None or buf.shape[0] < rows:
-            buf = torch.empty(rows, k, dtype=torch.float32, device=device)
+            # a normal tensor even when first needed under inference_mode: later forwards under
+            # no_grad (training after an engine eval) write into it too
+            with torch.inference_mode(False):
+                buf = torch.empty(rows, k, dtype=torch.float32, device=device)
             self._scratch[(k, device)] = buf
         return buf
 

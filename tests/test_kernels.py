@@ -71,6 +71,19 @@ def test_mode_routes_only_large_bf16_inference_products():
     assert out.shape == (2, 4, 24) and x.grad is not None and x.grad.abs().sum() > 0
 
 
+def test_mode_scratch_made_in_inference_mode_serves_no_grad_forwards():
+    """Guards the shared scratch: first used under inference_mode (an engine eval), then under no_grad
+    (the training step after it), the same mode must still work."""
+    lin = torch.nn.Linear(16, 24, bias=False).bfloat16()
+    mode = UpcastMatmuls(min_rows=2, block_rows=8)
+    x = torch.randn(6, 16).bfloat16()
+    with torch.inference_mode(), mode:
+        first = lin(x)
+    with torch.no_grad(), mode:
+        second = lin(x)
+    assert torch.equal(first, second)
+
+
 def test_matmul_mode_applies_only_where_bf16_is_not_native(monkeypatch):
     """Guards the switch: fp32, small forwards and CPUs with native bf16 keep PyTorch's kernels."""
     cpu = torch.device("cpu")
