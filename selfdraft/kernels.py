@@ -55,7 +55,7 @@ FUSED_MAX_ROWS = 48
 vs 327 ms, 192: 786 vs 702 ms); the fp32 route's MKL GEMM (124 GFLOP/s against the kernel's ~65)
 wins for long prefills."""
 FUSED_ENV = "SELFDRAFT_FUSED_BF16"
-"""Set to 0 to keep the fused kernel off (no build, PyTorch's kernels and the fp32 route only)."""
+"""Set to 0 to keep the fused kernels off (no build, PyTorch's kernels and the fp32 route only)."""
 FUSED_ATTENTION_MAX_QUERIES = 16
 """Most query positions (per row) an attention call takes through the fused kernel. On the 2-core AVX2
 machine, 9 query heads over 3 KV heads and 400 cached positions: 1 query 0.04 vs 0.41 ms (PyTorch's
@@ -143,8 +143,8 @@ def build_fused_kernel():
         )
     except Exception as e:  # no compiler, no ninja, ...: slower but correct without it
         warnings.warn(
-            f"selfdraft: could not build the bf16 CPU kernel ({type(e).__name__}: {e}); small bf16 "
-            f"products use PyTorch's kernels (slower). Install a C++ compiler and ninja, or set "
+            f"selfdraft: could not build the bf16 CPU kernels ({type(e).__name__}: {e}); small bf16 "
+            f"products, attention and norms use PyTorch's kernels (slower). Install a C++ compiler and ninja, or set "
             f"{FUSED_ENV}=0 to silence this.",
             stacklevel=2,
         )

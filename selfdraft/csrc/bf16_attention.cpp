@@ -8,7 +8,7 @@
 // read; scores, softmax and the weighted sum run in fp32 for a tile of query rows at once, so the
 // cache streams from memory once per (batch row, KV head) and query block. Grouped-query attention is
 // native: the query heads of one KV head share its rows. Results are rounded to bf16 at the end.
-// Built with bf16_linear.cpp into one module by selfdraft/kernels.py.
+// Built into one module with the other kernels (kernels.h) by selfdraft/kernels.py.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>

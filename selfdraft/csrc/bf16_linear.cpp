@@ -6,7 +6,7 @@
 // accumulators for a tile of input rows at once: the weight streams from memory once per tile of
 // output rows, stays in L1 while every input row uses it, and nothing is converted in memory.
 // Accumulation is fp32; the result is rounded to the input's dtype (as the bf16 kernel rounds its
-// fp32 accumulator). Built with bf16_attention.cpp into one module by selfdraft/kernels.py.
+// fp32 accumulator). Built into one module with the other kernels (kernels.h) by selfdraft/kernels.py.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
