@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from selfdraft.data import TokenizedSample
 from selfdraft.heads.artifact import write_text_atomic
+from selfdraft.kernels import matmul_mode
 
 MANIFEST = "manifest.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,7 +85,10 @@ def write_features(
         for b in range(0, len(chunk), batch_size):
             part = chunk[b : b + batch_size]
             batch = collate(part, pad_id)
-            feats = target_features(model, batch["input_ids"].to(device), batch["attention_mask"].to(device), indices)
+            ids = batch["input_ids"].to(device)
+            # the frozen target's products in fp32 where bf16 ones are slow (CPUs without native bf16), as in training
+            with matmul_mode(next(model.parameters()).dtype, device, ids.numel()):
+                feats = target_features(model, ids, batch["attention_mask"].to(device), indices)
             for j, s in enumerate(part):
                 key, n = start + b + j, len(s.input_ids)
                 tensors[f"{key}.input_ids"] = torch.tensor(s.input_ids, dtype=torch.int64)

@@ -170,6 +170,37 @@ def test_offline_features_give_the_online_loss(tiny_target_dir, data_file, tmp_p
         assert m_on.keys() == m_off.keys()
 
 
+def test_bf16_dump_runs_the_products_training_runs(tiny_target_dir, data_file, tmp_path, monkeypatch):
+    """Guards the dump on a bf16 target where bf16 is not native: the frozen products take the fp32 route
+    as in online training (PyTorch's bf16 fallback is ~7x slower there), and the stored features are
+    the ones online training computes, bit for bit."""
+    from selfdraft import kernels
+    from selfdraft.data import collate
+    from selfdraft.features import FeatureStore, target_features
+    from selfdraft.kernels import matmul_mode
+    from selfdraft.target import load_target
+
+    monkeypatch.setattr(kernels, "native_bf16_matmul", lambda device_type="cpu": False)
+    real_upcast, upcasts = kernels.upcast_linear, []
+    monkeypatch.setattr(kernels, "upcast_linear", lambda *a: upcasts.append(1) or real_upcast(*a))
+
+    kw = dict(head="eagle3", draft_vocab_size=64, ttt_steps=2, target_dtype="bfloat16", features_dtype="bfloat16",
+              features_per_shard=16, features_dir=str(tmp_path / "feats"), max_samples=24)
+    dump.main(dump_config(tiny_target_dir, data_file, tmp_path, **kw))
+    assert upcasts, "the dump ran the bf16 target's products on PyTorch's bf16 fallback"
+    store = FeatureStore(kw["features_dir"])
+    model = load_target(str(tiny_target_dir), dtype="bfloat16").model
+    samples = store.samples()
+    ids = [0, 1, 2, 3]
+    batch = collate([samples[i] for i in ids], 0)
+    with matmul_mode(torch.bfloat16, torch.device("cpu"), batch["input_ids"].numel()):  # as train.head_loss runs it
+        online = target_features(model, batch["input_ids"], batch["attention_mask"], store.indices)
+    offline = train.stored(store, ids, batch)
+    mask = batch["attention_mask"].bool()
+    for i in store.indices:
+        assert torch.equal(online[i][mask], offline[i][mask]), f"stored state {i} differs from the online one"
+
+
 def test_offline_training_matches_online_and_dump_resumes(tiny_target_dir, data_file, tmp_path, monkeypatch):
     """Guards the offline pipeline end to end: a resumed dump is complete, training from it matches online."""
     import safetensors.torch
