@@ -311,6 +311,7 @@ def main(cfg: TrainConfig) -> Path:
     target = load_target(cfg.target, dtype=cfg.target_dtype, device=str(accelerator.device))
     model, tokenizer = target.model, target.tokenizer
     frozen_before = weights_digest(model)
+    target_params = sum(p.numel() for p in model.parameters())  # before offline training releases the layers
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     store = None
     if cfg.features_dir:
@@ -334,7 +335,7 @@ def main(cfg: TrainConfig) -> Path:
     params = [p for p in head.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
     accelerator.print(f"[head] {cfg.head}: {n_params / 1e6:.2f}M trainable parameters "
-                      f"({100 * n_params / sum(p.numel() for p in model.parameters()):.1f}% of the target)")
+                      f"({100 * n_params / target_params:.1f}% of the target)")
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
