@@ -77,8 +77,8 @@ class TreePolicy:
     auto_off: bool = False
     """Measure online and decode plainly at batch sizes where plain steps commit tokens faster than
     speculative ones (see :class:`SpeculationGate`); applies on top of the limits above."""
-    probe_every: int = 16
-    """With auto_off: every this many steps at a batch size, run the losing mode once to re-measure."""
+    probe_every: int = 64
+    """With auto_off: while drafting at a batch size, one plain step in this many re-measures the plain step time."""
 
     def __post_init__(self) -> None:
         if self.probe_every < 2:
@@ -350,7 +350,8 @@ def generate_batch(
 
         if gate is not None and make_drafter is not None:
             step_s = time.perf_counter() - t_step
-            gate.record(len(active), speculative, sum(1 + acc.num_accepted for acc in accs), step_s)
+            drafted = any(d.tree.size > 1 for d in drafts)  # no row had anything to propose: a plain step
+            gate.record(len(active), drafted, sum(1 + acc.num_accepted for acc in accs), step_s)
 
         # 4. update cache: each row keeps its root and accepted nodes right after its own prefix
         kept = max(acc.path.numel() for acc in accs)

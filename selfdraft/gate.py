@@ -8,75 +8,151 @@ The gate measures both modes on the run itself and keeps the faster, so a drafte
 on this machine costs a probe step now and then instead of a slowdown. Used by the batch-1 loop
 (:func:`selfdraft.generate.generate`, ``GenerationConfig.auto_off``) and the batched loop
 (:func:`selfdraft.batch.generate_batch`, ``TreePolicy.auto_off``).
+
+The two things measured behave differently, so they are estimated differently:
+
+- a step's *time* is steady (it follows the tree size and the context length): a short moving
+  average of each mode's step time is enough;
+- the *tokens* a drafting step commits are noisy (a head accepting 40% of its drafts commits 1 token
+  on most steps and 2 or more on the rest): their mean is estimated over the last ~20 drafting steps
+  together with its standard error, and drafting continues while the mean *plus one standard error*
+  still beats plain decoding. A short run of rejections therefore does not switch off a drafter that
+  pays on average; a drafter that keeps losing is switched off once the evidence is clear.
+
+While plain decoding runs, the drafting estimate ages (its weight shrinks a little each plain step),
+so its error bar widens until the optimistic bound crosses plain decoding again and one drafting
+step re-measures it: a drafter that loses by a small margin is probed often (each probe costs
+little), one that loses by a wide margin rarely. While drafting runs, one plain step every
+``probe_every`` steps keeps the plain step time current.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+TIME_DECAY = 0.8
+"""Moving-average decay of a mode's step time (~5 steps of memory)."""
+TOKENS_DECAY = 0.95
+"""Decay per drafting step of the committed-tokens estimate (~20 steps of memory)."""
+STALE_DECAY = 0.99
+"""Decay of the committed-tokens estimate's weight per plain step (its error bar widens while unused)."""
+MIN_STD = 0.5
+"""Floor of the per-row committed-tokens standard deviation, so a short run of equal outcomes (or a
+drafter whose drafts were all rejected so far) still leaves an error bar and gets probed again."""
+CONFIDENCE = 1.0
+"""Standard errors added to the drafting mean before it is compared with plain decoding."""
+WARMUP = 2
+"""Drafting steps, then plain steps, measured at the start of each batch size before the gate decides
+(two of each: the first step of a mode often pays one-off costs, and the smaller time is kept)."""
+
+
+@dataclass
+class _Stats:
+    """What the gate knows at one batch size."""
+
+    weight: float = 0.0
+    """Decayed count of drafting steps behind the tokens estimate."""
+    tokens: float = 0.0
+    """Decayed sum of tokens committed per row on drafting steps."""
+    tokens_sq: float = 0.0
+    """Decayed sum of their squares."""
+    spec_s: float | None = None
+    """Moving average of a drafting step's seconds."""
+    plain_s: float | None = None
+    """Moving average of a plain step's seconds."""
+    spec_steps: int = 0
+    plain_steps: int = 0
+    steps: int = 0
+    """Decisions taken (speculate() calls)."""
+    last_plain: int = 0
+    """Decision index of the last plain step."""
+
+    def mean_std(self) -> tuple[float, float]:
+        mean = self.tokens / self.weight
+        var = max(self.tokens_sq / self.weight - mean * mean, MIN_STD * MIN_STD)
+        return mean, math.sqrt(var)
+
+
+def _average(old: float | None, new: float, count: int) -> float:
+    """Moving average of step seconds; the first two steps keep the smaller (the first often warms up)."""
+    if old is None:
+        return new
+    if count == 2:
+        return min(old, new)
+    return TIME_DECAY * old + (1 - TIME_DECAY) * new
 
 
 class SpeculationGate:
     """Online on/off switch for speculation, per batch size (the number of rows in a step).
 
-    For each batch size it keeps exponential moving averages of the tokens committed per step and of
-    the step time (draft + verify + accept), for speculative and for plain steps; their ratio is the
-    mode's rate (a ratio of averages, not an average of per-step rates, which would overrate a
-    drafter whose steps alternate between long accepts and rejections). The first steps at a size
-    measure both modes; then the faster one runs, and every ``probe_every``-th step runs the other
-    once so that a change (longer contexts, a drafter warming up) is seen. A probe that confirms
-    the loser doubles the interval to the next (up to ``max_backoff`` times ``probe_every``), since
-    a probe of a mode that loses on this machine costs a slow step each time; a probe that swaps the
-    modes resets it. Greedy output does not depend on the gate; only speed does.
+    ``speculate(rows)`` says whether the next step drafts; ``record(rows, speculative, tokens, seconds)``
+    reports what the step did (``speculative``: whether a draft tree was verified; a drafter with
+    nothing to propose makes a plain step). The first ``WARMUP`` steps at a batch size draft, the next
+    ``WARMUP`` are plain; from then on drafting runs while the optimistic drafting rate
+    (mean committed tokens plus ``CONFIDENCE`` standard errors, over the drafting step time) is at
+    least the plain rate. Greedy output does not depend on the gate; only speed does.
     """
 
-    def __init__(self, probe_every: int = 16, decay: float = 0.8, max_backoff: int = 8):
-        self.probe_every, self.decay, self.max_backoff = probe_every, decay, max_backoff
-        self.sums: dict[tuple[int, bool], tuple[float, float]] = {}
-        """(rows, speculative) -> EMAs of (tokens per step, seconds per step)."""
-        self.steps: dict[int, int] = {}
-        self.interval: dict[int, int] = {}
-        """rows -> steps between probes now (probe_every, doubled by each confirming probe)."""
-        self.last_probe: dict[int, int] = {}
-        self.probing: dict[int, bool] = {}
-        """rows -> which mode was winning when the probe now running started."""
+    def __init__(self, probe_every: int = 64):
+        if probe_every < 2:
+            raise ValueError(f"probe_every must be >= 2, got {probe_every}")
+        self.probe_every = probe_every
+        self.stats: dict[int, _Stats] = {}
+
+    def _at(self, rows: int) -> _Stats:
+        return self.stats.setdefault(rows, _Stats())
 
     def rate(self, rows: int, speculative: bool) -> float | None:
         """Measured tokens per second of one mode at one batch size (None: not measured yet)."""
-        sums = self.sums.get((rows, speculative))
-        return None if sums is None else sums[0] / max(sums[1], 1e-9)
+        s = self.stats.get(rows)
+        if s is None:
+            return None
+        if not speculative:
+            return None if s.plain_s is None else rows / max(s.plain_s, 1e-9)
+        if s.spec_s is None or s.weight <= 0:
+            return None
+        return rows * (s.tokens / s.weight) / max(s.spec_s, 1e-9)
+
+    def optimistic_rate(self, rows: int) -> float | None:
+        """The drafting rate with the tokens estimate raised by its error bar (None: not measured)."""
+        s = self.stats.get(rows)
+        if s is None or s.spec_s is None or s.weight <= 0:
+            return None
+        mean, std = s.mean_std()
+        return rows * (mean + CONFIDENCE * std / math.sqrt(s.weight)) / max(s.spec_s, 1e-9)
 
     def speculate(self, rows: int) -> bool:
         """Whether the next step with ``rows`` rows should draft."""
-        n = self.steps.get(rows, 0)
-        self.steps[rows] = n + 1
-        spec, plain = self.rate(rows, True), self.rate(rows, False)
-        if spec is None or plain is None:
-            return spec is None
-        best = spec >= plain
-        if n + 1 - self.last_probe.get(rows, 0) < self.interval.get(rows, self.probe_every):
-            return best
-        self.last_probe[rows] = n + 1
-        self.probing[rows] = best
-        return not best
+        s = self._at(rows)
+        s.steps += 1
+        if s.spec_steps < WARMUP:
+            return True
+        if s.plain_steps < WARMUP:
+            return False
+        if s.steps - s.last_plain >= self.probe_every:
+            return False  # re-measure the plain step time
+        optimistic, plain = self.optimistic_rate(rows), self.rate(rows, False)
+        return optimistic is None or plain is None or optimistic >= plain
 
     def record(self, rows: int, speculative: bool, tokens: int, seconds: float) -> None:
         """One step's outcome: ``tokens`` committed over all rows in ``seconds``."""
-        old = self.sums.get((rows, speculative))
-        if old is None:
-            self.sums[(rows, speculative)] = (float(tokens), seconds)
+        s = self._at(rows)
+        if speculative:
+            per_row = tokens / rows
+            s.weight = TOKENS_DECAY * s.weight + 1.0
+            s.tokens = TOKENS_DECAY * s.tokens + per_row
+            s.tokens_sq = TOKENS_DECAY * s.tokens_sq + per_row * per_row
+            s.spec_steps += 1
+            s.spec_s = _average(s.spec_s, seconds, s.spec_steps)
         else:
-            d = self.decay
-            self.sums[(rows, speculative)] = (d * old[0] + (1 - d) * tokens, d * old[1] + (1 - d) * seconds)
-        was_best = self.probing.pop(rows, None)
-        if was_best is not None and speculative == was_best:
-            # the probe did not run the other mode (a drafter with nothing to propose drafts no tree):
-            # it says nothing about the loser, so probe again at the next step
-            self.last_probe[rows] = self.steps[rows] - self.interval.get(rows, self.probe_every)
-            return
-        spec, plain = self.rate(rows, True), self.rate(rows, False)
-        if was_best is not None and spec is not None and plain is not None:
-            interval = self.interval.get(rows, self.probe_every)
-            confirmed = (spec >= plain) == was_best
-            self.interval[rows] = min(2 * interval, self.max_backoff * self.probe_every) if confirmed else self.probe_every
+            s.weight *= STALE_DECAY
+            s.tokens *= STALE_DECAY
+            s.tokens_sq *= STALE_DECAY
+            s.plain_steps += 1
+            s.plain_s = _average(s.plain_s, seconds, s.plain_steps)
+            s.last_plain = s.steps
 
     def speeds(self) -> dict[int, tuple[float | None, float | None]]:
         """Batch size -> (speculative, plain) tokens per second measured so far."""
-        return {r: (self.rate(r, True), self.rate(r, False)) for r in sorted(self.steps)}
+        return {r: (self.rate(r, True), self.rate(r, False)) for r in sorted(self.stats)}

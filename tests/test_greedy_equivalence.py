@@ -165,7 +165,8 @@ def test_speculation_gate_keeps_output_and_switches_a_losing_drafter_off(models)
     assert slow.tokens == ref and oracle.tokens == ref
     s, o = slow.stats, oracle.stats
     assert s.draft_steps <= 1 + s.steps // 8 + 1, f"losing drafter drafted {s.draft_steps} of {s.steps} steps"
-    assert o.draft_steps >= o.steps - (2 + o.steps // 8), f"oracle drafted only {o.draft_steps} of {o.steps} steps"
+    # plain steps allowed: the gate's two warm-up plain steps, one re-measurement per 8, a last step with no room to draft
+    assert o.draft_steps >= o.steps - (3 + o.steps // 8), f"oracle drafted only {o.draft_steps} of {o.steps} steps"
     from selfdraft.benchmark import DecoderResult
 
     res = DecoderResult(decoder="oracle")
