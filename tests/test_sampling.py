@@ -14,7 +14,7 @@ from selfdraft.acceptance import accept_sampling, accept_typical
 from selfdraft.drafters import DraftModelDrafter, MergedDrafter, PromptLookupDrafter, layer_skip_drafter
 from selfdraft.drafters.eagle import EagleDrafter
 from selfdraft.generate import GenerationConfig, generate
-from selfdraft.sampling import SamplingConfig, logits_to_probs
+from selfdraft.sampling import SamplingConfig, logits_to_probs, sample
 from selfdraft.tree import tree_from_parents
 
 V = 5
@@ -118,6 +118,27 @@ def test_typical_acceptance_is_lossy():
         x = 0 if acc.num_accepted else acc.next_token
         counts[x] += 1
     assert chi2_pvalue(counts, p) < P_MIN, f"typical acceptance looked lossless: {counts.tolist()}"
+
+
+def test_sample_draws_from_the_given_distribution():
+    """Guards the inverse-CDF sampler every sampled token goes through: per-row frequencies match the
+    probabilities (chi-square), unnormalised weights are normalised, tokens of probability zero (first,
+    inner and last positions) are never drawn, a batch keeps its shape, and an all-zero row is an error."""
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.25, 0.05, 0.6, 0.0], [0.0, 0.0, 3.0, 0.0, 1.0, 0.0, 0.0]])
+    n = 40000
+    draws = sample(probs[:, None, :].expand(2, n, 7), generator)
+    assert draws.shape == (2, n) and draws.dtype == torch.int64
+    for row in range(2):
+        want = probs[row] / probs[row].sum()
+        counts = torch.bincount(draws[row], minlength=7).float()
+        assert (counts[want == 0] == 0).all(), f"row {row} drew tokens of probability zero: {counts.tolist()}"
+        keep = want > 0
+        pvalue = chisquare(counts[keep].numpy(), (want[keep] * n).numpy()).pvalue
+        assert pvalue > 1e-3, f"row {row}: frequencies {(counts / n).tolist()} vs {want.tolist()} (p={pvalue:.1e})"
+    assert int(sample(torch.tensor([0.0, 0.0, 1.0]), generator)) == 2
+    with pytest.raises(ValueError, match="sums to zero"):
+        sample(torch.zeros(2, 5), generator)
 
 
 def test_sampling_config_applies_top_k_top_p():
