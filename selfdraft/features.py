@@ -33,9 +33,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @torch.no_grad()
 def target_features(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, indices: Iterable[int]) -> dict[int, Tensor]:
-    """{index: (batch, seq, hidden)} hidden states of the frozen target (-1 = final normed state)."""
+    """{index: (batch, seq, hidden)} hidden states of the frozen target (-1 = final normed state).
+
+    A bf16 target's products run in fp32 where bf16 ones are slow (CPUs without native bf16): the
+    same route for online training and for a feature dump, so both store the same features."""
     indices = sorted(set(indices) | {-1})
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=indices, logits_to_keep=1)
+    with matmul_mode(next(model.parameters()).dtype, input_ids.device, input_ids.numel()):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=indices, logits_to_keep=1)
     return {i: out.hidden_states[i] for i in indices}
 
 
@@ -86,9 +90,7 @@ def write_features(
             part = chunk[b : b + batch_size]
             batch = collate(part, pad_id)
             ids = batch["input_ids"].to(device)
-            # the frozen target's products in fp32 where bf16 ones are slow (CPUs without native bf16), as in training
-            with matmul_mode(next(model.parameters()).dtype, device, ids.numel()):
-                feats = target_features(model, ids, batch["attention_mask"].to(device), indices)
+            feats = target_features(model, ids, batch["attention_mask"].to(device), indices)
             for j, s in enumerate(part):
                 key, n = start + b + j, len(s.input_ids)
                 tensors[f"{key}.input_ids"] = torch.tensor(s.input_ids, dtype=torch.int64)

@@ -143,17 +143,15 @@ def head_loss(cfg: TrainConfig, head, target, batch, feats: dict | None = None) 
         loss, losses, accs = head(ids, attn, lmask, cfg.loss_decay, cfg.lm_weight)
         return loss, metrics_of(losses, accs)
     lm_head = target.get_output_embeddings()
-    # the frozen target's products (no autograd) in fp32 where bf16 ones are slow (CPUs without native bf16)
-    frozen_products = matmul_mode(lm_head.weight.dtype, lm_head.weight.device, ids.numel())
     if feats is None:
-        with frozen_products:
-            feats = target_features(target, ids, attn, feature_indices(cfg, head))
+        feats = target_features(target, ids, attn, feature_indices(cfg, head))
     last = feats[-1]
     if cfg.head == "medusa":
         dtype = next(head.parameters()).dtype  # fp32 heads on a bf16 target without autocast
         loss, losses, accs = medusa_loss(head(last.to(dtype)), ids, lmask, cfg.loss_decay)
     else:
-        with torch.no_grad(), frozen_products:  # the target's logits, from its (shared, frozen) lm_head
+        # the target's logits from its (shared, frozen) lm_head, in fp32 where bf16 products are slow
+        with torch.no_grad(), matmul_mode(lm_head.weight.dtype, lm_head.weight.device, ids.numel()):
             if cfg.head == "eagle3":  # only the draft vocabulary's rows: the loss reads nothing else
                 rows = lm_head.weight[(head.module if hasattr(head, "module") else head).draft_ids]
                 logits = torch.nn.functional.linear(last.to(rows.dtype), rows)
