@@ -190,6 +190,11 @@ class DecoderResult:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s else 0.0
 
+    def _tau_pooled(self) -> float | None:
+        """Tokens committed per verification forward over every step of every prompt."""
+        steps = sum(self.accept_length_counts.values())
+        return sum(length * n for length, n in self.accept_length_counts.items()) / steps if steps else None
+
     def _tau_drafting(self) -> float | None:
         """1 + accepted draft tokens per step that drafted (tau of the drafter itself, gate aside)."""
         accepted = sum((length - 1) * n for length, n in self.accept_length_counts.items())
@@ -203,7 +208,8 @@ class DecoderResult:
             acceptance_by_depth=acceptance_rates(self.depth_attempts, self.depth_accepts),
             tokens_per_s=self.tokens_per_s,
             median_tok_s=statistics.median(self.per_prompt_tok_s) if self.per_prompt_tok_s else 0.0,
-            tau=statistics.mean(self.taus) if self.taus else None,
+            tau=self._tau_pooled(),
+            tau_prompt_mean=statistics.mean(self.taus) if self.taus else None,
             speedup_vs_hf=self.tokens_per_s / hf_tok_s if hf_tok_s else None,
             identical_frac=sum(self.identical) / len(self.identical) if self.identical else None,
             mean_match_prefix=statistics.mean(self.match_prefix) if self.match_prefix else None,

@@ -174,3 +174,8 @@ def test_speculation_gate_keeps_output_and_switches_a_losing_drafter_off(models)
     row = res.summary(None)
     assert row["drafted_frac"] == o.draft_steps / o.steps
     assert abs(row["tau_drafting"] - (1 + o.accepted / o.draft_steps)) < 1e-9, row["tau_drafting"]
+    # tau pools every step of every prompt (tokens / forwards), not a mean of per-prompt ratios
+    res.add_stats(s)
+    row = res.summary(None)
+    pooled = (o.steps + o.accepted + s.steps + s.accepted) / (o.steps + s.steps)
+    assert row["tau"] == pytest.approx(pooled) and row["tau_prompt_mean"] == pytest.approx((o.tau + s.tau) / 2), row
