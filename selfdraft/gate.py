@@ -38,13 +38,14 @@ TOKENS_DECAY = 0.95
 STALE_DECAY = 0.99
 """Decay of the committed-tokens estimate's weight per plain step (its error bar widens while unused)."""
 MIN_STD = 0.5
-"""Prior standard deviation of the tokens a drafting step commits per row, before any are measured."""
+"""Floor of the standard deviation of the tokens a drafting step commits per row, so a run of equal
+outcomes (all drafts rejected so far) still leaves an error bar and gets probed again."""
 DEPTH_STD = 0.25
 """The prior grows to this times the mean draft depth: a step drafting d tokens commits anywhere from
 1 to d + 1, so a few rejected 10-token prompt-lookup drafts say little about the next match."""
 PRIOR_WEIGHT = 2.0
-"""Weight of the prior variance against the measured one (in drafting steps): it dominates the first
-few steps and washes out, so a drafter that never commits extra tokens is switched off for good."""
+"""Weight of the depth prior's variance against the measured one (in drafting steps): it dominates
+the first few steps and washes out down to the MIN_STD floor."""
 CONFIDENCE = 1.0
 """Standard errors added to the drafting mean before it is compared with plain decoding."""
 WARMUP = 2
@@ -80,7 +81,7 @@ class _Stats:
         prior = max(MIN_STD, DEPTH_STD * self.depth / self.weight) ** 2
         measured = max(self.tokens_sq / self.weight - mean * mean, 0.0)
         var = (PRIOR_WEIGHT * prior + self.weight * measured) / (PRIOR_WEIGHT + self.weight)
-        return mean, math.sqrt(var)
+        return mean, math.sqrt(max(var, MIN_STD * MIN_STD))
 
 
 def _average(old: float | None, new: float, count: int) -> float:
