@@ -351,8 +351,7 @@ def generate_batch(
         if gate is not None and make_drafter is not None:
             step_s = time.perf_counter() - t_step
             drafted = any(d.tree.size > 1 for d in drafts)  # no row had anything to propose: a plain step
-            gate.record(len(active), drafted, sum(1 + acc.num_accepted for acc in accs), step_s,
-                        max(d.tree.max_depth for d in drafts))
+            gate.record(len(active), drafted, sum(1 + acc.num_accepted for acc in accs), step_s)
 
         # 4. update cache: each row keeps its root and accepted nodes right after its own prefix
         kept = max(acc.path.numel() for acc in accs)

@@ -38,14 +38,8 @@ TOKENS_DECAY = 0.95
 STALE_DECAY = 0.99
 """Decay of the committed-tokens estimate's weight per plain step (its error bar widens while unused)."""
 MIN_STD = 0.5
-"""Floor of the standard deviation of the tokens a drafting step commits per row, so a run of equal
-outcomes (all drafts rejected so far) still leaves an error bar and gets probed again."""
-DEPTH_STD = 0.25
-"""The prior grows to this times the mean draft depth: a step drafting d tokens commits anywhere from
-1 to d + 1, so a few rejected 10-token prompt-lookup drafts say little about the next match."""
-PRIOR_WEIGHT = 2.0
-"""Weight of the depth prior's variance against the measured one (in drafting steps): it dominates
-the first few steps and washes out down to the MIN_STD floor."""
+"""Floor of the per-row committed-tokens standard deviation, so a short run of equal outcomes (or a
+drafter whose drafts were all rejected so far) still leaves an error bar and gets probed again."""
 CONFIDENCE = 1.0
 """Standard errors added to the drafting mean before it is compared with plain decoding."""
 WARMUP = 2
@@ -63,8 +57,6 @@ class _Stats:
     """Decayed sum of tokens committed per row on drafting steps."""
     tokens_sq: float = 0.0
     """Decayed sum of their squares."""
-    depth: float = 0.0
-    """Decayed sum of the draft depths of those steps."""
     spec_s: float | None = None
     """Moving average of a drafting step's seconds."""
     plain_s: float | None = None
@@ -78,10 +70,8 @@ class _Stats:
 
     def mean_std(self) -> tuple[float, float]:
         mean = self.tokens / self.weight
-        prior = max(MIN_STD, DEPTH_STD * self.depth / self.weight) ** 2
-        measured = max(self.tokens_sq / self.weight - mean * mean, 0.0)
-        var = (PRIOR_WEIGHT * prior + self.weight * measured) / (PRIOR_WEIGHT + self.weight)
-        return mean, math.sqrt(max(var, MIN_STD * MIN_STD))
+        var = max(self.tokens_sq / self.weight - mean * mean, MIN_STD * MIN_STD)
+        return mean, math.sqrt(var)
 
 
 def _average(old: float | None, new: float, count: int) -> float:
@@ -145,13 +135,11 @@ class SpeculationGate:
         optimistic, plain = self.optimistic_rate(rows), self.rate(rows, False)
         return optimistic is None or plain is None or optimistic >= plain
 
-    def record(self, rows: int, speculative: bool, tokens: int, seconds: float, depth: int = 1) -> None:
-        """One step's outcome: ``tokens`` committed over all rows in ``seconds``; ``depth``: the
-        deepest draft verified (widens the error bar of drafters that draft long chains)."""
+    def record(self, rows: int, speculative: bool, tokens: int, seconds: float) -> None:
+        """One step's outcome: ``tokens`` committed over all rows in ``seconds``."""
         s = self._at(rows)
         if speculative:
             per_row = tokens / rows
-            s.depth = TOKENS_DECAY * s.depth + depth
             s.weight = TOKENS_DECAY * s.weight + 1.0
             s.tokens = TOKENS_DECAY * s.tokens + per_row
             s.tokens_sq = TOKENS_DECAY * s.tokens_sq + per_row * per_row
@@ -161,7 +149,6 @@ class SpeculationGate:
             s.weight *= STALE_DECAY
             s.tokens *= STALE_DECAY
             s.tokens_sq *= STALE_DECAY
-            s.depth *= STALE_DECAY
             s.plain_steps += 1
             s.plain_s = _average(s.plain_s, seconds, s.plain_steps)
             s.last_plain = s.steps

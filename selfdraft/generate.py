@@ -223,7 +223,7 @@ def generate(
         last = "target" if draft.tree.size == 1 else ("bonus" if leaf else "correction")
         stats.record_step(draft.tree.max_depth, acc.num_accepted, t1 - t0, t2 - t1)
         if gate is not None:
-            gate.record(1, draft.tree.size > 1, 1 + acc.num_accepted, time.perf_counter() - t0, draft.tree.max_depth)
+            gate.record(1, draft.tree.size > 1, 1 + acc.num_accepted, time.perf_counter() - t0)
         done = emit(accepted + [acc.next_token], ["draft"] * len(accepted) + [last])
         if drafter is not None and not done:
             hidden = None
