@@ -8,7 +8,8 @@ last state by the target's lm_head in both, so a head trains the same either way
 Offline layout (a folder): ``shard-00000.safetensors`` ... each holding ``{i}.input_ids``,
 ``{i}.loss_mask`` and ``{i}.h{index}`` (seq, hidden) for its samples, and ``manifest.json`` (indices,
 dtype, samples per shard, target info), rewritten after each completed shard so an interrupted dump
-resumes at the first missing shard.
+resumes at the first missing shard, and a dump of data that has grown (replies appended) keeps its
+complete shards and writes only the rest.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def write_features(
     pad_id: int = 0,
     progress=None,
 ) -> Path:
-    """Write the features of ``samples`` (in order) as shards; resumes after the last complete shard."""
+    """Write the features of ``samples`` (in order) as shards; resumes after the last complete shard
+    (of the same samples, or of a prefix of them: see ``kept_shards``)."""
     from selfdraft.data import collate
 
     folder = Path(folder)
@@ -71,12 +73,7 @@ def write_features(
             "target": target, "shards": []}
     manifest = folder / MANIFEST
     if manifest.is_file():
-        old = json.loads(manifest.read_text())
-        same = {k: old.get(k) for k in ("indices", "dtype", "per_shard", "num_samples", "target")}
-        if same != {k: meta[k] for k in same}:
-            raise ValueError(f"{folder} holds a different feature dump ({old.get('num_samples')} samples, "
-                             f"indices {old.get('indices')}); use another features_dir or delete it")
-        meta["shards"] = old["shards"]
+        meta["shards"] = kept_shards(folder, json.loads(manifest.read_text()), meta, samples)
     device = next(model.parameters()).device
     for shard, start in enumerate(range(0, len(samples), per_shard)):
         name = f"shard-{shard:05d}.safetensors"
@@ -105,6 +102,39 @@ def write_features(
         meta["shards"].append(name)
         write_text_atomic(manifest, json.dumps(meta, indent=2))
     return folder
+
+
+def kept_shards(folder: Path, old: dict, meta: dict, samples: list[TokenizedSample]) -> list[str]:
+    """The shards of an earlier dump in ``folder`` that ``samples`` can keep.
+
+    The same samples (an interrupted dump) keep every complete shard; samples appended to the data
+    (a grown distillation) keep the earlier shards and redo only the last partial one. Anything else
+    (other samples, fewer of them, other states, dtype or target) is a different dump: refused, not
+    overwritten. Checked on the stored token ids, not only the counts."""
+    fixed = ("indices", "dtype", "per_shard", "target")
+    if {k: old.get(k) for k in fixed} != {k: meta[k] for k in fixed} or old.get("num_samples", 0) > len(samples):
+        raise ValueError(f"{folder} holds a different feature dump ({old.get('num_samples')} samples, "
+                         f"indices {old.get('indices')}, dtype {old.get('dtype')}); use another features_dir or delete it")
+    per, kept = meta["per_shard"], []
+    for shard, name in enumerate(old.get("shards", [])):
+        start = shard * per
+        with safe_open(str(folder / name), framework="pt") as f:
+            keys = sorted(int(k.split(".")[0]) for k in f.keys() if k.endswith(".input_ids"))
+            if keys != list(range(start, start + len(keys))):
+                raise ValueError(f"{folder / name} holds samples {keys[:3]}...; expected them from {start}: "
+                                 "the dump is damaged, delete the folder and dump again")
+            for i in keys:
+                if f.get_tensor(f"{i}.input_ids").tolist() != samples[i].input_ids:
+                    raise ValueError(f"{folder} holds a different feature dump (sample {i} has other tokens than "
+                                     "the configured data); use another features_dir or delete it")
+        if len(keys) == min(per, len(samples) - start):
+            kept.append(name)
+        else:  # the last partial shard of a smaller dump: rewritten with the appended samples
+            break
+    if old.get("num_samples") != len(samples):
+        print(f"[features] {folder}: the data grew from {old.get('num_samples')} to {len(samples)} samples; "
+              f"keeping {len(kept)} shards, writing the rest")
+    return kept
 
 
 class FeatureStore:

@@ -244,6 +244,42 @@ def test_dump_refuses_over_budget(tiny_target_dir, data_file, tmp_path):
     assert not list((tmp_path / "f").glob("shard-*")), "nothing may be written past the budget"
 
 
+def test_dump_grows_with_appended_data_and_refuses_other_data(tiny_target_dir, data_file, tmp_path, monkeypatch):
+    """Guards growing a dump (more distilled replies appended to the data): complete shards are kept,
+    the last partial one and the new ones are written, and the result equals a fresh dump; other data
+    (or less of it) in the same folder is refused and the dump is left as it was."""
+    import safetensors.torch
+    from safetensors.torch import load_file
+
+    from selfdraft import features
+
+    kw = dict(head="eagle3", draft_vocab_size=64, ttt_steps=2, features_dtype="float32", features_per_shard=16,
+              features_dir=str(tmp_path / "feats"))
+    real_save, saved = safetensors.torch.save_file, []
+    monkeypatch.setattr(features, "save_file", lambda t, path, *a, **k: saved.append(Path(path).name) or real_save(t, path, *a, **k))
+    dump.main(dump_config(tiny_target_dir, data_file, tmp_path / "a", **kw, max_samples=20))  # 28 samples: 16 + 12
+    assert len(features.FeatureStore(kw["features_dir"])) == 28
+    saved.clear()
+    dump.main(dump_config(tiny_target_dir, data_file, tmp_path / "a", **kw, max_samples=40))  # 48 samples
+    assert saved == [".shard-00001.safetensors.tmp", ".shard-00002.safetensors.tmp"], saved
+    fresh = {**kw, "features_dir": str(tmp_path / "fresh")}
+    dump.main(dump_config(tiny_target_dir, data_file, tmp_path / "b", **fresh, max_samples=40))
+    assert len(features.FeatureStore(kw["features_dir"])) == 48
+    for shard in ("shard-00000", "shard-00001", "shard-00002"):
+        grown, ref = load_file(f"{kw['features_dir']}/{shard}.safetensors"), load_file(f"{fresh['features_dir']}/{shard}.safetensors")
+        assert grown.keys() == ref.keys() and all(torch.equal(grown[k], ref[k]) for k in ref), shard
+
+    before = {p.name: p.read_bytes() for p in (tmp_path / "feats").iterdir()}
+    other = tmp_path / "other.json"
+    records = json.loads(Path(data_file).read_text())
+    other.write_text(json.dumps(records[1:] + records[:1]))  # the same kind of data, other samples first
+    with pytest.raises(ValueError, match="different feature dump"):
+        dump.main(dump_config(tiny_target_dir, other, tmp_path / "a", **kw, max_samples=40))
+    with pytest.raises(ValueError, match="different feature dump"):
+        dump.main(dump_config(tiny_target_dir, data_file, tmp_path / "a", **kw, max_samples=20))
+    assert {p.name: p.read_bytes() for p in (tmp_path / "feats").iterdir()} == before, "a refused dump changed the folder"
+
+
 def test_medusa2_combined_loss_by_hand():
     """Guards the Medusa-2 loss: backbone next-token CE on assistant tokens + decayed head losses."""
     from conftest import tiny_model
