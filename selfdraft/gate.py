@@ -24,11 +24,20 @@ so its error bar widens until the optimistic bound crosses plain decoding again 
 step re-measures it: a drafter that loses by a small margin is probed often (each probe costs
 little), one that loses by a wide margin rarely. While drafting runs, one plain step every
 ``probe_every`` steps keeps the plain step time current.
+
+A drafter whose proposals cost no model forward (prompt lookup: an n-gram search) keeps drafting
+*in the shadow* while plain decoding runs: the decode loop scores its draft against the tokens the
+target then commits (:func:`shadow_accepted`, what verification would have accepted) and reports it
+with :meth:`SpeculationGate.record_shadow`. A run of rejected first matches then no longer keeps such
+a drafter off once the text turns to copying: the evidence arrives without paying for a verification.
+For a deterministic draft the score is exact in distribution at any temperature (a one-hot draft
+token is accepted with probability p(x), the chance that the target's own sample is x).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 TIME_DECAY = 0.8
@@ -72,6 +81,24 @@ class _Stats:
         mean = self.tokens / self.weight
         var = max(self.tokens_sq / self.weight - mean * mean, MIN_STD * MIN_STD)
         return mean, math.sqrt(var)
+
+
+def shadow_accepted(children: Sequence[Sequence[int]], tokens: Sequence[int], continuation: Sequence[int]) -> int | None:
+    """Draft tokens that verification would have accepted, scored against the tokens committed after the root.
+
+    ``children``: the child node lists of a deterministic draft tree (``Tree.children()``), ``tokens``
+    its node tokens (node 0 the root), ``continuation`` the tokens the target committed after the
+    root so far. Returns the accepted depth once it is decided (a mismatch, or a leaf reached), None
+    while every committed token still matches and the tree goes deeper than the continuation."""
+    node = 0
+    for depth, token in enumerate(continuation):
+        nxt = next((c for c in children[node] if tokens[c] == token), None)
+        if nxt is None:
+            return depth
+        node = nxt
+        if not children[node]:
+            return depth + 1
+    return None if children[node] else len(continuation)
 
 
 def _average(old: float | None, new: float, count: int) -> float:
@@ -152,6 +179,14 @@ class SpeculationGate:
             s.plain_steps += 1
             s.plain_s = _average(s.plain_s, seconds, s.plain_steps)
             s.last_plain = s.steps
+
+    def record_shadow(self, rows: int, tokens: float) -> None:
+        """A draft scored in the shadow of plain steps: ``tokens`` a drafting step would have committed
+        per row (1 + the accepted depth). Feeds the tokens estimate only: no step ran, so no time."""
+        s = self._at(rows)
+        s.weight = TOKENS_DECAY * s.weight + 1.0
+        s.tokens = TOKENS_DECAY * s.tokens + tokens
+        s.tokens_sq = TOKENS_DECAY * s.tokens_sq + tokens * tokens
 
     def speeds(self) -> dict[int, tuple[float | None, float | None]]:
         """Batch size -> (speculative, plain) tokens per second measured so far."""

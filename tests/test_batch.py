@@ -483,3 +483,44 @@ def test_bench_batch_runs_every_decoder_and_batch_size(models):
         assert r["new_tokens"] == 5 * 8 and r["tokens_per_s"] > 0, r
         assert r["same_as_plain"] == 1.0, f"{r['decoder']} at batch {r['batch_size']} differs from plain: {r}"
     assert "batch" in bench.format_table(rows) and "speculation" in bench.crossover(rows)
+
+
+def test_shadow_accepted_walks_the_draft_tree():
+    """Guards shadow scoring: the accepted depth of a draft tree against the committed continuation."""
+    from selfdraft.gate import shadow_accepted
+
+    # root 0 -> 5 -> 6 -> 7 ; root -> 8 -> 9
+    tree = tree_from_parents([-1, 0, 1, 2, 0, 4])
+    children, tokens = tree.children(), [0, 5, 6, 7, 8, 9]
+    assert shadow_accepted(children, tokens, []) is None
+    assert shadow_accepted(children, tokens, [5]) is None  # still matching, deeper nodes undecided
+    assert shadow_accepted(children, tokens, [5, 6, 1]) == 2
+    assert shadow_accepted(children, tokens, [5, 6, 7]) == 3  # a leaf: everything accepted
+    assert shadow_accepted(children, tokens, [5, 6, 7, 4, 4]) == 3
+    assert shadow_accepted(children, tokens, [8, 9]) == 2
+    assert shadow_accepted(children, tokens, [3]) == 0
+
+
+def test_speculation_gate_switches_back_on_from_shadow_scores():
+    """Guards shadow drafts: a free drafter whose first drafts fail is switched off; once its shadow
+    scores show it would pay, drafting resumes within a few steps instead of waiting for the aged
+    estimate to force a probe (which takes far longer than a generation)."""
+    def outcome(step, spec):
+        if spec:
+            return (1, 2.3) if step < 10 else (6, 2.3)  # 10-token chains: all rejected, then copying
+        return (1, 1.0)
+
+    for shadows in (False, True):
+        gate = SpeculationGate(probe_every=64)
+        decisions = []
+        for step in range(60):
+            spec = gate.speculate(1)
+            decisions.append(spec)
+            gate.record(1, spec, *outcome(step, spec))
+            if shadows and not spec and step >= 10:
+                gate.record_shadow(1, 6)
+        later = decisions[10:]
+        if shadows:
+            assert later.index(True) <= 3 and sum(later[10:]) >= 38, decisions
+        else:
+            assert sum(later) <= 2, f"without shadows the aged estimate should rarely probe: {decisions}"

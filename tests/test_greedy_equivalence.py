@@ -179,3 +179,43 @@ def test_speculation_gate_keeps_output_and_switches_a_losing_drafter_off(models)
     row = res.summary(None)
     pooled = (o.steps + o.accepted + s.steps + s.accepted) / (o.steps + s.steps)
     assert row["tau"] == pytest.approx(pooled) and row["tau_prompt_mean"] == pytest.approx((o.tau + s.tau) / 2), row
+
+
+def test_shadow_drafts_score_what_verification_accepts(models, monkeypatch):
+    """Guards the gate's shadow drafts (a free drafter proposing while plain steps run): each shadow
+    score equals what verifying the same draft accepts, and the output stays plain greedy's."""
+    from selfdraft import gate as gate_module
+
+    model = models["llama"]
+    prompt = random_prompt(10, 7) * 3  # repeats, so prompt lookup finds matches
+    n = 48
+    ref = plain(model, prompt, n).tokens
+    cfg = GenerationConfig(max_new_tokens=n, auto_off=True, probe_every=1000)
+
+    def run(always: bool):
+        proposed, scores = [], []
+        drafter = PromptLookupDrafter()
+        real_propose = drafter.propose
+
+        def propose(tokens, sampling, generator):
+            draft = real_propose(tokens, sampling, generator)
+            if draft.tree.size > 1:
+                proposed.append(tokens.numel())
+            return draft
+
+        drafter.propose = propose
+        monkeypatch.setattr(gate_module.SpeculationGate, "speculate", lambda self, rows: always)
+        real_record = gate_module.SpeculationGate.record
+        monkeypatch.setattr(gate_module.SpeculationGate, "record", lambda self, rows, spec, tokens, s:
+                            (scores.append(tokens) if spec else None, real_record(self, rows, spec, tokens, s)))
+        monkeypatch.setattr(gate_module.SpeculationGate, "record_shadow", lambda self, rows, tokens: scores.append(tokens))
+        out = generate(model, prompt, drafter, cfg)
+        assert out.tokens == ref
+        return dict(zip(proposed, scores))  # committed length at the draft's root -> tokens committed
+
+    verified, shadowed = run(True), run(False)
+    common = set(verified) & set(shadowed)
+    assert len(shadowed) >= 3 and len(common) >= 2, (verified, shadowed)
+    assert any(verified[p] > 1 for p in common), "no accepted draft among the compared ones"
+    for p in common:
+        assert shadowed[p] == verified[p], (p, shadowed[p], verified[p])

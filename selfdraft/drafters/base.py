@@ -59,6 +59,11 @@ class Drafter(Protocol):
     """Indices into the target's hidden states (0 = embeddings, i = input of layer i, -1 = final
     normed state) that :meth:`reset`/:meth:`update` need; empty for drafters that read tokens only."""
 
+    proposes_for_free: bool
+    """True when :meth:`propose` runs no model (prompt lookup) and leaves no state behind: while the
+    speculation gate runs plain steps, the loop then keeps proposing and scores the drafts against
+    what the target commits (:func:`selfdraft.gate.shadow_accepted`). Optional; absent means False."""
+
     def reset(self, step: StepResult) -> None:
         """Start a new sequence after the target's prefill: step.tokens is the prompt plus the first
         generated token, step.hidden_states cover the prompt positions."""

@@ -22,6 +22,7 @@ class DraftModelDrafter:
     """Chain drafter driven by any causal LM that shares the target's vocabulary."""
 
     hidden_layers: tuple[int, ...] = ()
+    proposes_for_free = False
 
     def __init__(
         self, model: nn.Module, gamma: int = 4, adaptive: bool = True, min_gamma: int = 1, max_gamma: int = 12

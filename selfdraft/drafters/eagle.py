@@ -31,6 +31,8 @@ class EagleDrafter:
     ``logits`` and ``draft_ids`` (reduced-vocabulary map, or None for the full vocabulary).
     """
 
+    proposes_for_free = False
+
     def __init__(self, head, depth: int = 5, top_k: int = 4, total_tokens: int = 16):
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise ValueError(f"depth, top_k and total_tokens must be >= 1, got {depth}, {top_k}, {total_tokens}")

@@ -33,6 +33,7 @@ def load_paths(path: str) -> list[tuple[int, ...]]:
 
 class MedusaDrafter:
     hidden_layers: tuple[int, ...] = (-1,)
+    proposes_for_free = False
 
     def __init__(self, heads: MedusaHeads, paths: Sequence[Sequence[int]] | str = DEFAULT_PATHS):
         """paths: Medusa choice paths, or a YAML file holding them under ``paths:``."""

@@ -58,6 +58,7 @@ class MergedDrafter:
             raise ValueError("MergedDrafter needs at least one drafter")
         self.drafters = list(drafters)
         self.hidden_layers = tuple(dict.fromkeys(i for d in self.drafters for i in d.hidden_layers))
+        self.proposes_for_free = all(getattr(d, "proposes_for_free", False) for d in self.drafters)
 
     def reset(self, step: StepResult) -> None:
         for d in self.drafters:

@@ -48,6 +48,7 @@ class PromptLookupDrafter:
     """
 
     hidden_layers: tuple[int, ...] = ()
+    proposes_for_free = True  # an n-gram search over the context, no state
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2, num_tokens: int = 10, max_candidates: int = 1):
         if not 1 <= min_ngram <= max_ngram:
