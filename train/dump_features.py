@@ -5,8 +5,8 @@
 
 Takes the same config as train/train.py (same data, same samples in the same order, the hidden
 states the configured head needs), prints the disk size before writing and refuses past
-``features_budget_gb``. Shards are written atomically; rerunning resumes an interrupted dump, and after samples are appended
-to the data (a longer distillation) it writes only the shards that changed.
+``features_budget_gb``. Shards are written atomically; rerunning resumes an interrupted dump, and
+after samples are appended to the data (a longer distillation) it writes only the shards that changed.
 """
 
 from __future__ import annotations
