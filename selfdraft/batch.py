@@ -13,7 +13,9 @@ Tree size versus batch size: at batch 1 the target forward is memory-bound and a
 nearly free; with many rows it turns compute-bound and every verified node costs. :func:`draft_budget`
 caps the nodes verified per step over all rows (and can switch drafting off above a batch size);
 with ``TreePolicy.auto_off`` a :class:`SpeculationGate` measures speculative and plain steps per
-batch size online and runs whichever commits tokens faster.
+batch size online and runs whichever commits tokens faster. While it runs plain steps, a drafter
+that proposes for free (prompt lookup) keeps drafting in the shadow: each row's draft is scored
+against the tokens the row then commits, and each step reports the mean over the rows it scored.
 
 Ragged lengths: a per-row length vector, not left padding. The :class:`~selfdraft.cache.RaggedCache`
 keeps row b's committed KV at slots ``0 .. lengths[b]``; a step writes row b's tree right after it
@@ -41,7 +43,7 @@ from torch import nn
 from selfdraft.adapter import num_layers, ragged_tree_forward
 from selfdraft.cache import RaggedCache
 from selfdraft.drafters.base import Draft, Drafter, StepResult, root_only
-from selfdraft.gate import SpeculationGate
+from selfdraft.gate import ShadowDraft, SpeculationGate
 from selfdraft.generate import (
     CACHE_SLACK,
     GenerationConfig,
@@ -166,6 +168,8 @@ class _Row:
         self.result, self.budget, self.drafter = result, budget, drafter
         self.committed = list(prompt)
         self.started = time.perf_counter()
+        self.shadow: ShadowDraft | None = None
+        """A draft proposed in the shadow of plain steps, until the committed tokens score it."""
 
     def emit(self, new: list[int], sources: list[str], eos: frozenset[int], cfg: GenerationConfig, tokenizer) -> bool:
         """Append tokens up to a stop condition; returns True when the request is over."""
@@ -234,6 +238,7 @@ def generate_batch(
     hidden_layers = tuple(getattr(drafters[0], "hidden_layers", ()))
     rows: list[_Row | None] = [None] * slots
     gate = SpeculationGate(policy.probe_every) if policy.auto_off else None
+    shadow_free = gate is not None and getattr(drafters[0], "proposes_for_free", False)
 
     def finish(row: _Row) -> None:
         row.result.stats.new_tokens = len(row.result.tokens)
@@ -307,10 +312,12 @@ def generate_batch(
             cache.keep_rows(torch.tensor(live))
             rows = [rows[s] for s in live]
         active: list[_Row] = list(rows)  # type: ignore[arg-type]
-        max_draft = draft_budget(len(active), policy) if make_drafter else 0
-        speculative = max_draft != 0 and (gate is None or gate.speculate(len(active)))
-        if not speculative:
-            max_draft = 0
+        allowed = draft_budget(len(active), policy) if make_drafter else 0
+        speculative = allowed != 0 and (gate is None or gate.speculate(len(active)))
+        max_draft = allowed if speculative else 0
+        shadowing = shadow_free and allowed != 0 and not speculative
+        scores: list[float] = []  # this step's shadow scores, tokens per row
+        resolved = 0  # shadow drafts among them (the rest: rows with nothing to propose)
         t_step = time.perf_counter()
 
         # 1. draft: each row its own tree, trimmed to the policy's budget and the row's remaining tokens
@@ -331,6 +338,20 @@ def generate_batch(
                 if max_draft is not None:
                     draft = limit_nodes(draft, max_draft)
                 draft = fit_draft(draft, row.budget - len(row.result.tokens))
+                row.shadow = None  # a verified draft measures the drafter itself
+            elif shadowing and row.shadow is None:
+                try:
+                    shadow = row.drafter.propose(torch.tensor(row.committed), cfg.sampling, None)  # draws nothing
+                except Exception as err:
+                    fail(row, err)
+                    rows[b] = None
+                else:
+                    if allowed is not None:
+                        shadow = limit_nodes(shadow, allowed)
+                    shadow = fit_draft(shadow, row.budget - len(row.result.tokens))
+                    row.shadow = ShadowDraft.of(shadow, len(row.committed))
+                    if row.shadow is None:
+                        scores.append(1.0)  # nothing to propose: a drafting step would commit one token here
             drafts.append(draft)
             draft_times.append(time.perf_counter() - t0)
 
@@ -370,6 +391,12 @@ def generate_batch(
             last = "target" if draft.tree.size == 1 else ("bonus" if leaf else "correction")
             row.result.stats.record_step(draft.tree.max_depth, acc.num_accepted, draft_times[b], verify_s)
             done = emit(row, accepted + [acc.next_token], ["draft"] * len(accepted) + [last])
+            if row.shadow is not None:
+                score = row.shadow.score(row.committed)
+                if score is not None:
+                    scores.append(float(score))
+                    resolved += 1
+                    row.shadow = None
             if done:
                 finish(row)
                 rows[b] = None
@@ -385,4 +412,6 @@ def generate_batch(
                     fail(row, err)
                     rows[b] = None
                 row.result.stats.draft_s += time.perf_counter() - t1
+        if resolved:  # one sample per step, like a drafting step's tokens per row
+            gate.record_shadow(len(active), sum(scores) / len(scores))
     return results

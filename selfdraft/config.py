@@ -45,9 +45,14 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
         except (TypeError, ValueError) as err:
             raise ConfigError(f"{name}: expected {hint.__name__}, got {value!r}") from err
     if origin in (list, tuple) or hint in (list, tuple):
-        items = value.split() if isinstance(value, str) else list(value)
+        if isinstance(value, str):
+            items = value.split()
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:  # a single scalar (YAML reads ``batch_sizes=1`` as an int)
+            items = [value]
         items = [str(i).strip() for i in items if str(i).strip()]
-        return tuple(items) if origin is tuple else items
+        return tuple(items) if tuple in (origin, hint) else items
     return value
 
 

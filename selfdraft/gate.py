@@ -27,7 +27,7 @@ little), one that loses by a wide margin rarely. While drafting runs, one plain 
 
 A drafter whose proposals cost no model forward (prompt lookup: an n-gram search) keeps drafting
 *in the shadow* while plain decoding runs: the decode loop scores its draft against the tokens the
-target then commits (:func:`shadow_accepted`, what verification would have accepted) and reports it
+target then commits (:class:`ShadowDraft`, what verification would have accepted) and reports it
 with :meth:`SpeculationGate.record_shadow`. A run of rejected first matches then no longer keeps such
 a drafter off once the text turns to copying: the evidence arrives without paying for a verification.
 For a deterministic draft the score is exact in distribution at any temperature (a one-hot draft
@@ -39,6 +39,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from selfdraft.drafters.base import Draft
 
 TIME_DECAY = 0.8
 """Moving-average decay of a mode's step time (~5 steps of memory)."""
@@ -77,6 +79,18 @@ class _Stats:
     last_plain: int = 0
     """Decision index of the last plain step."""
 
+    def add_tokens(self, per_row: float) -> None:
+        """One drafting step's (or one scored shadow draft's) tokens committed per row."""
+        self.weight = TOKENS_DECAY * self.weight + 1.0
+        self.tokens = TOKENS_DECAY * self.tokens + per_row
+        self.tokens_sq = TOKENS_DECAY * self.tokens_sq + per_row * per_row
+
+    def age(self) -> None:
+        """A plain step: the tokens estimate loses a little weight, so its error bar widens."""
+        self.weight *= STALE_DECAY
+        self.tokens *= STALE_DECAY
+        self.tokens_sq *= STALE_DECAY
+
     def mean_std(self) -> tuple[float, float]:
         mean = self.tokens / self.weight
         var = max(self.tokens_sq / self.weight - mean * mean, MIN_STD * MIN_STD)
@@ -99,6 +113,30 @@ def shadow_accepted(children: Sequence[Sequence[int]], tokens: Sequence[int], co
         if not children[node]:
             return depth + 1
     return None if children[node] else len(continuation)
+
+
+@dataclass(frozen=True)
+class ShadowDraft:
+    """A draft proposed while plain steps run, waiting for the target's tokens to score it."""
+
+    children: list[list[int]]
+    """Child node lists of the draft tree (``Tree.children()``)."""
+    tokens: list[int]
+    """Node tokens; node 0 is the root, the last committed token when it was proposed."""
+    start: int
+    """Length of the committed sequence when it was proposed (the root is its last token)."""
+
+    @classmethod
+    def of(cls, draft: Draft, committed: int) -> ShadowDraft | None:
+        """The shadow of ``draft`` proposed after ``committed`` tokens; None when it drafts nothing."""
+        if draft.tree.size <= 1:
+            return None
+        return cls(draft.tree.children(), draft.tokens.tolist(), committed)
+
+    def score(self, committed: Sequence[int]) -> int | None:
+        """Tokens a drafting step would have committed (1 + the accepted depth), or None while undecided."""
+        depth = shadow_accepted(self.children, self.tokens, committed[self.start :])
+        return None if depth is None else 1 + depth
 
 
 def _average(old: float | None, new: float, count: int) -> float:
@@ -166,16 +204,11 @@ class SpeculationGate:
         """One step's outcome: ``tokens`` committed over all rows in ``seconds``."""
         s = self._at(rows)
         if speculative:
-            per_row = tokens / rows
-            s.weight = TOKENS_DECAY * s.weight + 1.0
-            s.tokens = TOKENS_DECAY * s.tokens + per_row
-            s.tokens_sq = TOKENS_DECAY * s.tokens_sq + per_row * per_row
+            s.add_tokens(tokens / rows)
             s.spec_steps += 1
             s.spec_s = _average(s.spec_s, seconds, s.spec_steps)
         else:
-            s.weight *= STALE_DECAY
-            s.tokens *= STALE_DECAY
-            s.tokens_sq *= STALE_DECAY
+            s.age()
             s.plain_steps += 1
             s.plain_s = _average(s.plain_s, seconds, s.plain_steps)
             s.last_plain = s.steps
@@ -183,10 +216,7 @@ class SpeculationGate:
     def record_shadow(self, rows: int, tokens: float) -> None:
         """A draft scored in the shadow of plain steps: ``tokens`` a drafting step would have committed
         per row (1 + the accepted depth). Feeds the tokens estimate only: no step ran, so no time."""
-        s = self._at(rows)
-        s.weight = TOKENS_DECAY * s.weight + 1.0
-        s.tokens = TOKENS_DECAY * s.tokens + tokens
-        s.tokens_sq = TOKENS_DECAY * s.tokens_sq + tokens * tokens
+        self._at(rows).add_tokens(tokens)
 
     def speeds(self) -> dict[int, tuple[float | None, float | None]]:
         """Batch size -> (speculative, plain) tokens per second measured so far."""

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from selfdraft.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from selfdraft.adapter import new_cache, tree_forward
 from selfdraft.drafters.base import Draft, Drafter, StepResult, root_only
-from selfdraft.gate import SpeculationGate, shadow_accepted
+from selfdraft.gate import ShadowDraft, SpeculationGate
 from selfdraft.sampling import GREEDY, SamplingConfig, choose, logits_to_probs
 from selfdraft.stats import GenerationStats
 from selfdraft.tree import chain_tree, truncate_depth
@@ -166,7 +166,7 @@ def generate(
     hidden_layers = tuple(getattr(drafter, "hidden_layers", ()))
     gate = SpeculationGate(cfg.probe_every) if cfg.auto_off and drafter is not None else None
     shadow_free = gate is not None and getattr(drafter, "proposes_for_free", False)
-    shadow: tuple[list[list[int]], list[int], int] | None = None  # (children, tokens, committed length at its root)
+    shadow: ShadowDraft | None = None
     stats = GenerationStats()
     out = GenerationOutput(tokens=[], sources=[], stop_reason="max_new_tokens", stats=stats)
     if budget == 0:
@@ -209,8 +209,7 @@ def generate(
             draft = root_only(root)
             if shadow_free and shadow is None:  # draft in the shadow: scored once the target has decoded on
                 candidate = drafter.propose(torch.tensor(committed), cfg.sampling, None)  # draws nothing
-                if candidate.tree.size > 1:
-                    shadow = (candidate.tree.children(), candidate.tokens.tolist(), len(committed))
+                shadow = ShadowDraft.of(fit_draft(candidate, budget - len(out.tokens)), len(committed))
         else:
             shadow = None  # a verified draft measures the drafter itself
             draft = drafter.propose(torch.tensor(committed), cfg.sampling, generator)
@@ -233,9 +232,9 @@ def generate(
             gate.record(1, draft.tree.size > 1, 1 + acc.num_accepted, time.perf_counter() - t0)
         done = emit(accepted + [acc.next_token], ["draft"] * len(accepted) + [last])
         if shadow is not None:
-            depth = shadow_accepted(shadow[0], shadow[1], committed[shadow[2] :])
-            if depth is not None:
-                gate.record_shadow(1, 1 + depth)
+            score = shadow.score(committed)
+            if score is not None:
+                gate.record_shadow(1, score)
                 shadow = None
         if drafter is not None and not done:
             hidden = None

@@ -524,3 +524,55 @@ def test_speculation_gate_switches_back_on_from_shadow_scores():
             assert later.index(True) <= 3 and sum(later[10:]) >= 38, decisions
         else:
             assert sum(later) <= 2, f"without shadows the aged estimate should rarely probe: {decisions}"
+
+
+def test_batched_shadow_drafts_score_what_verification_accepts(models, monkeypatch):
+    """Guards shadow drafts in the batched loop: with one slot, each step's shadow score equals what
+    verifying the same draft accepts; with several slots a step reports the mean over the rows it
+    scored, and every row stays plain greedy's."""
+    from selfdraft import gate as gate_module
+
+    model = models["llama"]
+    prompts = [random_prompt(9, 40 + i) * 3 for i in range(3)]  # repeats, so prompt lookup finds matches
+    n = 40
+    refs = [plain(model, p, n) for p in prompts]
+    cfg = GenerationConfig(max_new_tokens=n)
+
+    def run(always: bool, slots: int, prompts=prompts, refs=refs):
+        proposed, scores = [], []
+
+        def make():
+            drafter = PromptLookupDrafter()
+            real_propose = drafter.propose
+
+            def propose(tokens, sampling, generator):
+                draft = real_propose(tokens, sampling, generator)
+                if draft.tree.size > 1:
+                    proposed.append(tokens.numel())
+                return draft
+
+            drafter.propose = propose
+            return drafter
+
+        monkeypatch.setattr(gate_module.SpeculationGate, "speculate", lambda self, rows: always)
+        real_record = gate_module.SpeculationGate.record
+        monkeypatch.setattr(gate_module.SpeculationGate, "record", lambda self, rows, spec, tokens, s:
+                            (scores.append(tokens / rows) if spec else None, real_record(self, rows, spec, tokens, s)))
+        monkeypatch.setattr(gate_module.SpeculationGate, "record_shadow", lambda self, rows, tokens: scores.append(tokens))
+        results = generate_batch(model, prompts, make, cfg, batch_size=slots,
+                                 policy=TreePolicy(auto_off=True, probe_every=1000))
+        check_rows(results, prompts, refs, f"shadow always={always} slots={slots}")
+        return proposed, scores
+
+    # one prompt, one slot: shadow and verified scores of the same drafts, keyed by where they were proposed
+    verified = dict(zip(*run(True, 1, prompts[:1], refs[:1])))
+    shadowed = dict(zip(*run(False, 1, prompts[:1], refs[:1])))
+    common = set(verified) & set(shadowed)
+    assert len(shadowed) >= 3 and len(common) >= 2, (verified, shadowed)
+    assert any(verified[p] > 1 for p in common), "no accepted draft among the compared ones"
+    for p in common:
+        assert shadowed[p] == verified[p], (p, shadowed[p], verified[p])
+
+    # three rows at once: shadow scores are reported (means of 1 + accepted depth) and rows stay exact
+    _, scores = run(False, 3)
+    assert scores and all(1.0 <= s <= 1 + 10 for s in scores) and max(scores) > 1.0, scores

@@ -493,3 +493,15 @@ def test_eagle1_export_loads_in_the_eagle_llm_package(tmp_path):
         residual, q, k, v = head.project(model.get_input_embeddings()(tokens), features, torch.arange(s)[None])
         want = head.complete(residual, q, k, v, torch.tril(torch.ones(s, s, dtype=torch.bool))[None, None])
     assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
+
+
+def test_list_options_take_one_value_or_many():
+    """Guards key=value overrides of list options: YAML reads a lone ``1`` as an int, which must
+    become a one-item list (it raised TypeError), and a space-separated string splits."""
+    from selfdraft.benchmark import BenchConfig
+    from selfdraft.config import load
+
+    assert load(BenchConfig, None, ["decoders=plain"]).decoders == ("plain",)
+    assert load(BenchConfig, None, ["decoders=1"]).decoders == ("1",)
+    assert load(BenchConfig, None, ["decoders=plain prompt_lookup"]).decoders == ("plain", "prompt_lookup")
+    assert from_dict(BenchConfig, {"decoders": 7}).decoders == ("7",)
