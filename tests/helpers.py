@@ -47,3 +47,17 @@ class ScriptedDrafter:
 
     def update(self, step: StepResult) -> None:
         pass
+
+
+def log_proposals(drafter, proposed: list[int]):
+    """Wrap ``drafter.propose`` so every non-empty draft appends the committed length it was proposed at."""
+    real_propose = drafter.propose
+
+    def propose(tokens, sampling, generator):
+        draft = real_propose(tokens, sampling, generator)
+        if draft.tree.size > 1:
+            proposed.append(tokens.numel())
+        return draft
+
+    drafter.propose = propose
+    return drafter

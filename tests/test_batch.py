@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB, random_prompt, tiny_model
-from helpers import ScriptedDrafter
+from helpers import ScriptedDrafter, log_proposals
 from test_sampling import chi2_pvalue, exact_third_token
 
 from selfdraft.adapter import new_cache, ragged_tree_forward, tree_forward
@@ -542,17 +542,7 @@ def test_batched_shadow_drafts_score_what_verification_accepts(models, monkeypat
         proposed, scores = [], []
 
         def make():
-            drafter = PromptLookupDrafter()
-            real_propose = drafter.propose
-
-            def propose(tokens, sampling, generator):
-                draft = real_propose(tokens, sampling, generator)
-                if draft.tree.size > 1:
-                    proposed.append(tokens.numel())
-                return draft
-
-            drafter.propose = propose
-            return drafter
+            return log_proposals(PromptLookupDrafter(), proposed)
 
         monkeypatch.setattr(gate_module.SpeculationGate, "speculate", lambda self, rows: always)
         real_record = gate_module.SpeculationGate.record

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from conftest import ARCHS, VOCAB, random_prompt, tiny_model
-from helpers import ScriptedDrafter
+from helpers import ScriptedDrafter, log_proposals
 
 from selfdraft.drafters import DraftModelDrafter, PromptLookupDrafter, layer_skip_drafter
 from selfdraft.generate import ContextLengthError, GenerationConfig, generate
@@ -194,16 +194,7 @@ def test_shadow_drafts_score_what_verification_accepts(models, monkeypatch):
 
     def run(always: bool):
         proposed, scores = [], []
-        drafter = PromptLookupDrafter()
-        real_propose = drafter.propose
-
-        def propose(tokens, sampling, generator):
-            draft = real_propose(tokens, sampling, generator)
-            if draft.tree.size > 1:
-                proposed.append(tokens.numel())
-            return draft
-
-        drafter.propose = propose
+        drafter = log_proposals(PromptLookupDrafter(), proposed)
         monkeypatch.setattr(gate_module.SpeculationGate, "speculate", lambda self, rows: always)
         real_record = gate_module.SpeculationGate.record
         monkeypatch.setattr(gate_module.SpeculationGate, "record", lambda self, rows, spec, tokens, s:
