@@ -314,7 +314,6 @@ def generate_batch(
         active: list[_Row] = list(rows)  # type: ignore[arg-type]
         allowed = draft_budget(len(active), policy) if make_drafter else 0
         speculative = allowed != 0 and (gate is None or gate.speculate(len(active)))
-        max_draft = allowed if speculative else 0
         shadowing = shadow_free and allowed != 0 and not speculative
         scores: list[float] = []  # this step's shadow scores, tokens per row
         resolved = 0  # shadow drafts among them (the rest: rows with nothing to propose)
@@ -327,29 +326,22 @@ def generate_batch(
             t0 = time.perf_counter()
             root = row.committed[-1]
             draft = root_only(root)
-            if row.drafter is not None and max_draft != 0:
-                try:
-                    draft = row.drafter.propose(torch.tensor(row.committed), cfg.sampling, generator)
-                    if int(draft.tokens[0]) != root:
-                        raise RuntimeError(f"drafter returned a tree rooted at {int(draft.tokens[0])}, expected {root}")
+            if row.drafter is not None and (speculative or (shadowing and row.shadow is None)):
+                try:  # a shadow draft draws nothing (generator None); a verified one samples as configured
+                    proposal = row.drafter.propose(torch.tensor(row.committed), cfg.sampling,
+                                                   generator if speculative else None)
+                    if int(proposal.tokens[0]) != root:
+                        raise RuntimeError(f"drafter returned a tree rooted at {int(proposal.tokens[0])}, expected {root}")
                 except Exception as err:  # the row leaves; it verifies a root-only dummy this step
                     fail(row, err)
-                    rows[b], draft = None, root_only(root)
-                if max_draft is not None:
-                    draft = limit_nodes(draft, max_draft)
-                draft = fit_draft(draft, row.budget - len(row.result.tokens))
-                row.shadow = None  # a verified draft measures the drafter itself
-            elif shadowing and row.shadow is None:
-                try:
-                    shadow = row.drafter.propose(torch.tensor(row.committed), cfg.sampling, None)  # draws nothing
-                except Exception as err:
-                    fail(row, err)
-                    rows[b] = None
-                else:
-                    if allowed is not None:
-                        shadow = limit_nodes(shadow, allowed)
-                    shadow = fit_draft(shadow, row.budget - len(row.result.tokens))
-                    row.shadow = ShadowDraft.of(shadow, len(row.committed))
+                    rows[b], proposal = None, root_only(root)
+                if allowed is not None:
+                    proposal = limit_nodes(proposal, allowed)
+                proposal = fit_draft(proposal, row.budget - len(row.result.tokens))
+                if speculative:
+                    draft, row.shadow = proposal, None  # a verified draft measures the drafter itself
+                elif rows[b] is not None:
+                    row.shadow = ShadowDraft.of(proposal, len(row.committed))
                     if row.shadow is None:
                         scores.append(1.0)  # nothing to propose: a drafting step would commit one token here
             drafts.append(draft)
