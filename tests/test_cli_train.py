@@ -98,6 +98,27 @@ def test_distill_then_features_commands(tiny_target_dir, data_file, tmp_path):
     assert "GB" in proc.stdout and "features:" in proc.stderr, "size estimate and progress bar expected"
 
 
+def test_cpu2h_recipe_script_runs_its_four_stages(tiny_target_dir, data_file, tmp_path):
+    """Guards the 2-hour recipe's driver: distil, dump, train from the dump and tune, each stage timed."""
+    root = Path(__file__).resolve().parents[1]
+    prompts = tmp_path / "tune_prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "say abc"}) + "\n" + json.dumps({"prompt": "say xyz"}))
+    out = tmp_path / "cpu2h"
+    env = {**os.environ, "OUT": str(out), "PROMPTS": "6", "STEPS": "2", "REPLY_TOKENS": "4",
+           "TARGET": str(tiny_target_dir), "DATA": str(data_file), "DISTILLED": str(tmp_path / "d.jsonl"),
+           "FEATURES": str(tmp_path / "feats"), "CONTEXT": "8", "TUNE_PROMPTS": str(prompts),
+           "OVERRIDES": "target_dtype=float32 max_len=48 batch_size=2 eval_samples=1 eval_every=0 eval_tau_prompts=0 save_every=0",
+           "PYTHON": sys.executable, "SELFDRAFT_QUIET": "1"}
+    proc = subprocess.run(["bash", str(root / "scripts" / "train_cpu2h.sh")], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len((tmp_path / "d.jsonl").read_text().splitlines()) == 6
+    assert (tmp_path / "feats" / "manifest.json").is_file() and (out / "head" / "tune.json").is_file()
+    stages = [line.split()[0] for line in Path(f"{out}.timings").read_text().splitlines()]
+    assert stages == ["distill", "dump", "train", "tune"], stages
+    assert "6 prompts, 2 steps" in proc.stderr and "min end to end" in proc.stderr, proc.stderr[-1000:]
+
+
 def test_main_job_script_trains_tunes_and_reports(tiny_target_dir, data_file, tmp_path):
     """Guards the README's main job: the script trains, tunes, benchmarks and prints tau and speedup."""
     root = Path(__file__).resolve().parents[1]
