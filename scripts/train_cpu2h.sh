@@ -38,12 +38,13 @@ mkdir -p "$(dirname "$LOG")"
 START=$(date +%s)
 minutes() { awk -v s="$1" 'BEGIN{printf "%.1f", s/60}'; }
 stage() {  # stage NAME COMMAND...: run it, append its seconds to $LOG
-  local name=$1 t0
+  local name=$1 t0 secs
   shift
   t0=$(date +%s)
   "$@"
-  echo "$name $(( $(date +%s) - t0 ))" >> "$LOG"
-  echo "[cpu2h] $name: $(minutes $(( $(date +%s) - t0 ))) min" >&2
+  secs=$(( $(date +%s) - t0 ))
+  echo "$name $secs" >> "$LOG"
+  echo "[cpu2h] $name: $(minutes "$secs") min" >&2
 }
 OPTIONS=("target=$TARGET" "data=$DISTILLED" "features_dir=$FEATURES" "out_dir=$OUT" ${EXTRA[@]+"${EXTRA[@]}"})
 

@@ -98,11 +98,17 @@ def test_distill_then_features_commands(tiny_target_dir, data_file, tmp_path):
     assert "GB" in proc.stdout and "features:" in proc.stderr, "size estimate and progress bar expected"
 
 
+def tune_prompts(tmp_path: Path) -> Path:
+    """Two prompts for the scripts' tuning stage (the tiny target knows no held-out ShareGPT)."""
+    path = tmp_path / "tune_prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "say abc"}) + "\n" + json.dumps({"prompt": "say xyz"}))
+    return path
+
+
 def test_cpu2h_recipe_script_runs_its_four_stages(tiny_target_dir, data_file, tmp_path):
     """Guards the 2-hour recipe's driver: distil, dump, train from the dump and tune, each stage timed."""
     root = Path(__file__).resolve().parents[1]
-    prompts = tmp_path / "tune_prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "say abc"}) + "\n" + json.dumps({"prompt": "say xyz"}))
+    prompts = tune_prompts(tmp_path)
     out = tmp_path / "cpu2h"
     env = {**os.environ, "OUT": str(out), "PROMPTS": "6", "STEPS": "2", "REPLY_TOKENS": "4",
            "TARGET": str(tiny_target_dir), "DATA": str(data_file), "DISTILLED": str(tmp_path / "d.jsonl"),
@@ -122,8 +128,7 @@ def test_cpu2h_recipe_script_runs_its_four_stages(tiny_target_dir, data_file, tm
 def test_main_job_script_trains_tunes_and_reports(tiny_target_dir, data_file, tmp_path):
     """Guards the README's main job: the script trains, tunes, benchmarks and prints tau and speedup."""
     root = Path(__file__).resolve().parents[1]
-    prompts = tmp_path / "tune_prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "say abc"}) + "\n" + json.dumps({"prompt": "say xyz"}))
+    prompts = tune_prompts(tmp_path)
     env = {**os.environ, "OUT": str(tmp_path / "job"), "STEPS": "2", "PROMPTS": "1", "TOKENS": "6",
            "TARGET": str(tiny_target_dir), "DATA": str(data_file), "MAX_SAMPLES": "20", "EVAL_SAMPLES": "4", "MAX_LEN": "48",
            "CONTEXT": "8", "TUNE_PROMPTS": str(prompts), "PYTHON": sys.executable, "SELFDRAFT_QUIET": "1"}
