@@ -92,7 +92,7 @@ def load_conversations(spec: str, limit: int | None = None, turns: str = "all") 
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
     convs = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):  # not splitlines(): see data.py
         if not line.strip():
             continue
         try:

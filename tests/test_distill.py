@@ -66,3 +66,19 @@ def test_distill_regenerates_with_the_target_and_resumes(tiny_target_dir, tmp_pa
     assert [r["id"] for r in cut] == [0, 1, 2, 3]
     assert [t["from"] for t in cut[1]["conversations"]] == ["human", "gpt", "human"]
     assert cut[1]["conversations"][1] == records[1]["conversations"][1]
+
+
+def test_resume_reads_lines_holding_raw_line_separators(tmp_path):
+    """Guards resume on real replies: U+2028 / U+0085 written raw (ensure_ascii=False) are not line breaks."""
+    from selfdraft.benchmark import load_conversations
+
+    out = tmp_path / "out.jsonl"
+    records = [{"id": 0, "conversations": [{"from": "human", "value": "a\u2028b"}, {"from": "gpt", "value": "c\x85d\u2029e"}]},
+               {"id": 7, "conversations": [{"from": "human", "value": "f"}, {"from": "gpt", "value": "g"}]}]
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    out.write_text(text + '{"id": 9, "conv', encoding="utf-8")  # and a partial last line, as a kill mid-write leaves
+    assert distill.completed_ids(out) == {0, 7}
+    assert out.read_text(encoding="utf-8") == text  # the partial line is cut, the rest kept byte for byte
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"turns": ["one\u2028two"]}\n{"prompt": "three"}\n', encoding="utf-8")
+    assert [c.turns for c in load_conversations(str(prompts))] == [("one\u2028two",), ("three",)]

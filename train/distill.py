@@ -53,7 +53,9 @@ def completed_ids(path: Path) -> set[int]:
         with open(path, "r+b") as f:
             f.truncate(keep)
         print(f"[distill] dropped a partial last line of {len(data) - keep} bytes (interrupted write)")
-    return {json.loads(line)["id"] for line in data[:keep].decode().splitlines() if line.strip()}
+    # split on b"\n" only: str.splitlines() also breaks at U+2028, U+0085 ..., which sit raw inside the
+    # JSON strings of replies written with ensure_ascii=False
+    return {json.loads(line)["id"] for line in data[:keep].split(b"\n") if line.strip()}
 
 
 def regenerate(target, conversations: list[list[dict]], ids: list[int], make_drafter, gen_cfg: GenerationConfig,
