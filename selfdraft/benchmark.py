@@ -25,6 +25,7 @@ import yaml
 
 from selfdraft.assets import package_file
 from selfdraft.config import opt
+from selfdraft.data import json_lines
 from selfdraft.drafters import build_drafter
 from selfdraft.generate import ContextLengthError, GenerationConfig, generate
 from selfdraft.kernels import cpu_report
@@ -92,9 +93,7 @@ def load_conversations(spec: str, limit: int | None = None, turns: str = "all") 
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
     convs = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):  # not splitlines(): see data.py
-        if not line.strip():
-            continue
+    for lineno, line in json_lines(path.read_text(encoding="utf-8")):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:

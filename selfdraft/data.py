@@ -12,7 +12,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from selfdraft.assets import package_file
 
@@ -77,6 +77,17 @@ def parse_json_array(text: str) -> tuple[list[Any], int]:
         pos = end
 
 
+def json_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) for each non-blank line of a JSON-lines text.
+
+    Splits at "\n" only: ``str.splitlines()`` also breaks at U+2028, U+0085 ..., which sit raw inside
+    JSON strings written with ``ensure_ascii=False``.
+    """
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            yield lineno, line
+
+
 def _read_file(path: Path, report: LoadReport) -> list[Any]:
     text = path.read_text(encoding="utf-8")
     stripped = text.lstrip()
@@ -91,9 +102,7 @@ def _read_file(path: Path, report: LoadReport) -> list[Any]:
         except json.JSONDecodeError:
             pass  # JSON lines with a .json name: fall through
     items = []
-    for line in text.split("\n"):  # not splitlines(): U+2028, U+0085 ... may sit raw inside JSON strings
-        if not line.strip():
-            continue
+    for _, line in json_lines(text):
         try:
             items.append(json.loads(line))
         except json.JSONDecodeError:

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from selfdraft.batch import TreePolicy, generate_batch
 from selfdraft.config import load
-from selfdraft.data import load_conversations, sharegpt_path
+from selfdraft.data import json_lines, load_conversations, sharegpt_path
 from selfdraft.drafters import drafter_factory
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.progress import quiet
@@ -53,9 +53,7 @@ def completed_ids(path: Path) -> set[int]:
         with open(path, "r+b") as f:
             f.truncate(keep)
         print(f"[distill] dropped a partial last line of {len(data) - keep} bytes (interrupted write)")
-    # split on b"\n" only: str.splitlines() also breaks at U+2028, U+0085 ..., which sit raw inside the
-    # JSON strings of replies written with ensure_ascii=False
-    return {json.loads(line)["id"] for line in data[:keep].split(b"\n") if line.strip()}
+    return {json.loads(line)["id"] for _, line in json_lines(data[:keep].decode("utf-8"))}
 
 
 def regenerate(target, conversations: list[list[dict]], ids: list[int], make_drafter, gen_cfg: GenerationConfig,
