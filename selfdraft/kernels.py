@@ -24,6 +24,11 @@ RMSNorm modules through a one-pass norm kernel; :class:`FusedAttention` routes S
 few query positions through an attention kernel reading the bf16 cache directly.
 :func:`forward_products` picks the routes for one forward; ``SELFDRAFT_FUSED_BF16=0`` turns the
 kernels off (docs/perf_log.md has the measurements).
+
+Where bf16 is native (AVX512-BF16), oneDNN's products win from ~8 rows on, but each call carries
+~50 us of fixed cost, so the kernels still serve the smallest forwards there: products over at most
+FUSED_MAX_ROWS_NATIVE rows, the norms and the attention of few query positions (a SmolLM2 one-token
+decode step 36.6 -> 25.6 ms on a 2-core AVX512-BF16 EPYC).
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ FUSED_MAX_ROWS = 48
 2-core AVX2 machine whole forwards of 64-192 tokens cost the same either way within noise (64: 288
 vs 327 ms, 192: 786 vs 702 ms); the fp32 route's MKL GEMM (124 GFLOP/s against the kernel's ~65)
 wins for long prefills."""
+FUSED_MAX_ROWS_NATIVE = 6
+"""The same limit where bf16 products are native: on a 2-core AVX512-BF16 EPYC, whole SmolLM2 forwards
+after 400 cached tokens (median of 16, interleaved) with the product kernel up to this many rows vs
+oneDNN: 1 token 25.6 vs 34.5 ms, 4: 32.9 vs 38.5, 6: 39.1 vs 41.9, 8: 42.5 vs 41.8, 16: 50.4 vs 49.8
+(norms and attention fused in both)."""
 FUSED_ENV = "SELFDRAFT_FUSED_BF16"
 """Set to 0 to keep the fused kernels off (no build, PyTorch's kernels and the fp32 route only)."""
 FUSED_ATTENTION_MAX_QUERIES = 16
@@ -152,11 +162,16 @@ def build_fused_kernel():
 
 
 def fused_kernel():
-    """The bf16 kernel module where it applies (a CPU without native bf16, ``SELFDRAFT_FUSED_BF16`` not
-    0), else None."""
-    if os.environ.get(FUSED_ENV, "1") == "0" or native_bf16_matmul("cpu"):
+    """The bf16 kernel module where it applies (an x86 CPU with AVX2, ``SELFDRAFT_FUSED_BF16`` not 0),
+    else None."""
+    if os.environ.get(FUSED_ENV, "1") == "0":
         return None
     return build_fused_kernel()
+
+
+def fused_max_rows() -> int:
+    """Most input rows a product takes through the fused kernel on this CPU."""
+    return FUSED_MAX_ROWS_NATIVE if native_bf16_matmul("cpu") else FUSED_MAX_ROWS
 
 
 def _fused_forward(ref: weakref.ref, kernel, max_rows: int):
@@ -246,6 +261,7 @@ class FusedModules:
                 seen.setdefault(id(m), m)
         # built once: entering and leaving run once per forward, so they only set and drop attributes
         self._forwards = []
+        self.max_rows = max_rows
         self.linears = self.norms = 0
         for m in seen.values():
             if "forward" in vars(m):
@@ -289,9 +305,10 @@ def fused_modules(*roots: nn.Module | None) -> AbstractContextManager:
     kernel = fused_kernel() if mods else None
     if kernel is None:
         return nullcontext()
+    max_rows = fused_max_rows()
     fm = _FUSED.get(mods[0])
-    if fm is None:
-        fm = _FUSED[mods[0]] = FusedModules(kernel, mods, FUSED_MAX_ROWS)
+    if fm is None or fm.max_rows != max_rows:
+        fm = _FUSED[mods[0]] = FusedModules(kernel, mods, max_rows)
     return fm
 
 
@@ -382,11 +399,11 @@ def fused_attention(model: nn.Module) -> AbstractContextManager:
 
 
 def forward_products(model: nn.Module, dtype: torch.dtype, device: torch.device, rows: int) -> AbstractContextManager:
-    """The context for one forward of ``rows`` tokens through ``model``: on a CPU without native bf16
-    and bf16 weights, the fused kernels for small products and for attention over few query positions,
-    and the fp32 route for forwards too large for the product kernel; elsewhere nothing (PyTorch's
-    own kernels)."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or native_bf16_matmul("cpu"):
+    """The context for one forward of ``rows`` tokens through ``model`` with bf16 weights on a CPU: the
+    fused kernels for small products (:func:`fused_max_rows`), norms and attention over few query
+    positions; on a CPU without native bf16 also the fp32 route for forwards too large for the product
+    kernel. Elsewhere nothing (PyTorch's own kernels)."""
+    if dtype != torch.bfloat16 or device.type != "cpu":
         return nullcontext()
     if fused_kernel() is None:
         return matmul_mode(dtype, device, rows)
@@ -394,7 +411,7 @@ def forward_products(model: nn.Module, dtype: torch.dtype, device: torch.device,
     stack.enter_context(fused_modules(model))
     stack.enter_context(fused_attention(model))
     if rows > FUSED_MAX_ROWS:
-        stack.enter_context(_shared_mode())
+        stack.enter_context(matmul_mode(dtype, device, rows))
     return stack
 
 

@@ -130,6 +130,10 @@ def test_tree_forward_with_other_products_matches_bf16_kernels(monkeypatch, rout
 
     def logits(force: bool):
         monkeypatch.setattr(kernels, "native_bf16_matmul", lambda device_type="cpu": not force)
+        if force:  # the reference (native bf16, kernels off) runs PyTorch's kernels only
+            monkeypatch.delenv(kernels.FUSED_ENV, raising=False)
+        else:
+            monkeypatch.setenv(kernels.FUSED_ENV, "0")
         cache = new_cache(model, 64)
         with torch.inference_mode():
             return tree_forward(model, cache, prompt, chain_tree(prompt.shape[1] - 1)).logits.float()
@@ -218,11 +222,17 @@ def test_fused_modules_route_small_inference_products_and_restore_the_modules():
     assert model[0].weight.grad is not None
 
 
-def test_fused_modules_is_null_where_the_kernel_does_not_apply(monkeypatch):
+def test_fused_modules_take_fewer_rows_where_bf16_is_native(monkeypatch):
+    """Guards the row limit per CPU: where oneDNN's bf16 products are native the kernel takes only the
+    smallest products (it loses from ~8 rows there), elsewhere up to FUSED_MAX_ROWS; the cached routes
+    follow the CPU's answer; SELFDRAFT_FUSED_BF16=0 turns them off."""
+    if build_fused_kernel() is None:
+        pytest.skip("the fused bf16 kernel needs an x86 CPU with AVX2 and a C++ compiler")
     model = torch.nn.Linear(8, 8).bfloat16()
     monkeypatch.setattr(kernels, "native_bf16_matmul", lambda device_type="cpu": True)
-    assert isinstance(fused_modules(model), nullcontext)
+    assert fused_modules(model).max_rows == kernels.FUSED_MAX_ROWS_NATIVE < 8
     monkeypatch.setattr(kernels, "native_bf16_matmul", lambda device_type="cpu": False)
+    assert fused_modules(model).max_rows == kernels.FUSED_MAX_ROWS
     monkeypatch.setenv(kernels.FUSED_ENV, "0")
     assert isinstance(fused_modules(model), nullcontext)
 
@@ -318,7 +328,7 @@ def test_fused_attention_switches_sdpa_layers_only_inside(monkeypatch):
     """Guards the attention route: inside, SDPA layers look up the fused attention; on exit (also
     nested) the configured implementation is back; eager models are left alone; autograd, long query
     runs and fp32 go to HF's SDPA."""
-    real = fused()  # the built module: fused_kernel() is None where bf16 is native, the spy stands in for it
+    real = fused()  # the built module; the spy below stands in for fused_kernel()
     model = tiny_model("llama", dtype=torch.bfloat16)
     fa = kernels.FusedAttention(model)
     assert len(fa) == 1
