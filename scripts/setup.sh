@@ -22,6 +22,6 @@ if ! command -v chromium >/dev/null; then
     echo "chromium is not installed and this is not root on Debian: the browser screenshot test will skip" >&2
   fi
 fi
-# On CPUs without native bf16: build the fused bf16 kernel now rather than on the first generation
+# Build the bf16 CPU kernels (selfdraft/csrc) now rather than on the first generation
 $PY -c "from selfdraft.kernels import fused_kernel; fused_kernel()"
 $PY -c "import selfdraft, torch; print('selfdraft ready: torch', torch.__version__)"

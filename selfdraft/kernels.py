@@ -1,4 +1,4 @@
-"""Matrix products for bfloat16 models on CPUs without native bf16 arithmetic.
+"""bf16 CPU kernels for small forwards, and matrix products for bf16 models on CPUs without native bf16.
 
 PyTorch's eager CPU GEMM for bfloat16 goes through oneDNN only where the CPU has bf16 dot-product
 instructions (AVX512-BF16 or AMX). Elsewhere (AVX2-only x86 such as AMD Zen 2/3, older Xeons) an
