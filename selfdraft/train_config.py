@@ -33,8 +33,6 @@ class TrainConfig:
     loss_decay: float = opt(0.8, "weight of medusa head k / eagle3 unrolled step k is loss_decay**k")
     draft_vocab_size: int = opt(8192, "eagle3: reduced draft vocabulary (most frequent trained tokens)")
     ttt_steps: int = opt(7, "eagle3: training-time-test unrolled steps")
-    init_from_target: bool = opt(False, "eagle3: a fresh head starts its lm_head from the target's lm_head rows at the "
-                                        "draft ids and its final norm from the target's final norm (else random / ones)")
     lora_rank: int = opt(8, "medusa2: LoRA rank")
     lora_alpha: int = opt(16, "medusa2: LoRA alpha")
     lora_dropout: float = opt(0.05, "medusa2: LoRA dropout")

@@ -95,19 +95,6 @@ def init_head(cfg: TrainConfig, model: torch.nn.Module) -> tuple[object, torch.n
     return head_cfg, head
 
 
-def final_norm_scale(model: torch.nn.Module) -> torch.Tensor:
-    """(hidden,) elementwise scale of the target's final RMSNorm, read off its output for a row of ones
-    (whose normalised value is 1 / sqrt(1 + eps)): Llama's ``w`` and Gemma's ``1 + w`` alike."""
-    norm = getattr(model.get_decoder(), "norm", None)
-    if norm is None:
-        raise ValueError(f"{type(model).__name__} has no final norm at model.get_decoder().norm; set init_from_target=false")
-    weight = next(norm.parameters())
-    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-    with torch.no_grad():
-        out = norm(torch.ones(1, weight.shape[0], dtype=torch.float32, device=weight.device).to(weight.dtype))
-    return out[0].float() * (1 + eps) ** 0.5
-
-
 def make_head(cfg: TrainConfig, model: torch.nn.Module, samples: list) -> tuple[object, torch.nn.Module]:
     """The head config and a fresh head for ``cfg.head`` (or the one ``cfg.init_head`` holds)."""
     if cfg.init_head:
@@ -134,9 +121,6 @@ def make_head(cfg: TrainConfig, model: torch.nn.Module, samples: list) -> tuple[
         head.set_draft_vocab(select_draft_vocab(counts, head_cfg.draft_vocab_size))
         covered = counts[head.draft_ids.cpu()].sum().item() / max(1, counts.sum().item())
         print(f"[head] eagle3 draft vocabulary {head_cfg.draft_vocab_size} ids cover {100 * covered:.1f}% of trained tokens")
-        if cfg.init_from_target:
-            head.init_from_target(model.get_output_embeddings().weight.float(), final_norm_scale(model))
-            print("[head] eagle3 lm_head and final norm start from the target's")
         return head_cfg, head
     raise KeyError(f"unknown head '{cfg.head}'; train.py supports medusa, medusa2, eagle1 and eagle3")
 

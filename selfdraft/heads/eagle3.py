@@ -108,18 +108,6 @@ class Eagle3Head(nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
-    @torch.no_grad()
-    def init_from_target(self, lm_head_weight: Tensor, norm_scale: Tensor) -> None:
-        """Warm start: lm_head rows = the target's (vocab, H) lm_head rows at the draft ids, final norm
-        weight = the target's final norm scale (H,); call after :meth:`set_draft_vocab`. The head's
-        output then starts in the space the target's own last state lives in, rather than being
-        learned from scratch for 8k tokens from a few hundred thousand."""
-        if lm_head_weight.shape != (self.cfg.vocab_size, self.cfg.hidden_size) or norm_scale.shape != (self.cfg.hidden_size,):
-            raise ValueError(f"target lm_head {tuple(lm_head_weight.shape)} / norm {tuple(norm_scale.shape)} do not fit "
-                             f"a head of vocab {self.cfg.vocab_size} and hidden {self.cfg.hidden_size}")
-        self.lm_head.weight.copy_(lm_head_weight[self.draft_ids.to(lm_head_weight.device)])
-        self.norm.weight.copy_(norm_scale)
-
     @property
     def draft_ids(self) -> Tensor:
         """(draft_vocab,) target id of each draft id."""
