@@ -89,36 +89,29 @@ def read_tuned(head_dir: str | Path) -> dict:
     return dict(tuned.get("drafter_options", {}))
 
 
-def median_time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def verify_latency(model: nn.Module, sizes: list[int], context: int, reps: int) -> dict[int, float]:
-    """Median seconds of one tree forward over n tokens (n in ``sizes``) after ``context`` cached tokens."""
+    """Median seconds of one tree forward over n tokens (n in ``sizes``) after ``context`` cached tokens.
+
+    The sizes take turns, one forward each per round, so a drift of the machine's speed over the
+    minutes of a run (10-30% on the shared CPUs measured here) lands on every size alike instead of
+    on whichever size was being timed then (docs/perf_log.md)."""
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     cache = new_cache(model, context + max(sizes) + 8)
     prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
     tree_forward(model, cache, prompt, chain_tree(context - 1), last_logits_only=True)
-    out = {}
-    for n in sizes:
-        tokens = torch.randint(0, vocab, (1, n), generator=g).to(device)
-        tree = chain_tree(n - 1)
-
-        def step(tokens: Tensor = tokens, tree=tree) -> None:
+    inputs = {n: (torch.randint(0, vocab, (1, n), generator=g).to(device), chain_tree(n - 1)) for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(reps + 1):  # round 0 warms every shape up
+        for n, (tokens, tree) in inputs.items():
+            t0 = time.perf_counter()
             tree_forward(model, cache, tokens, tree)
+            if rep:
+                times[n].append(time.perf_counter() - t0)
             cache.truncate(context)
-
-        step()  # warm-up for this shape
-        out[n] = median_time(step, reps)
-    return out
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 @torch.inference_mode()

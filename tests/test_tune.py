@@ -112,3 +112,24 @@ def test_a_tune_from_another_cpu_setup_is_ignored(tmp_path, capsys):
     older = {k: v for k, v in here.items() if k != "fused_bf16_kernel"}  # recorded before the kernel existed
     assert setup_differences(older, here) == ({"fused_bf16_kernel": (False, True)} if here["fused_bf16_kernel"] else {})
     assert setup_differences({"target": "x"}, here) == {}
+
+
+def test_verify_latency_times_the_sizes_in_turns(monkeypatch):
+    """Guards the timing order: sizes take turns round by round (a drift of the machine's speed then
+    hits every size alike), a warm-up round is not counted, and the cache is back at the context after
+    each forward."""
+    import selfdraft.tune as tune
+
+    model = tiny_model("llama")
+    calls = []
+    real = tune.tree_forward
+
+    def spy(model, cache, tokens, tree, **kw):
+        calls.append((tokens.shape[1], cache.length))
+        return real(model, cache, tokens, tree, **kw)
+
+    monkeypatch.setattr(tune, "tree_forward", spy)
+    out = tune.verify_latency(model, [3, 1, 5], context=8, reps=2)
+    assert sorted(out) == [1, 3, 5] and all(t > 0 for t in out.values()), out
+    assert calls[0] == (8, 0), calls  # the context prefill
+    assert calls[1:] == [(3, 8), (1, 8), (5, 8)] * 3, calls
