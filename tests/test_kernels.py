@@ -180,6 +180,21 @@ def test_fused_kernel_is_the_fp32_product_rounded(rows, k, n):
             assert diff <= tol * want.abs().max().item(), f"{dtype}, bias {bias is not None}: max diff {diff}"
 
 
+def test_fused_kernel_reads_non_contiguous_input_and_reuses_its_buffer():
+    """Guards the widening buffer the kernel keeps per calling thread: a strided view is read in its
+    logical order, and a small product after a larger one reads only its own rows."""
+    kernel = fused()
+    torch.manual_seed(0)
+    w = torch.randn(40, 24).bfloat16()
+    big = torch.randn(7, 3, 24).bfloat16()
+    strided = big.transpose(0, 1)  # (3, 7, 24), not contiguous
+    for x in (strided, big[:1, :1], strided[:, ::2]):
+        want = x.float() @ w.float().t()
+        got = kernel.bf16_linear(x, w, None)
+        assert got.shape == (*x.shape[:-1], 40)
+        assert (got.float() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+
+
 def test_fused_kernel_rejects_bad_input():
     kernel = fused()
     with pytest.raises(RuntimeError, match="weight expects 16"):

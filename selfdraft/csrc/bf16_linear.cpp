@@ -11,6 +11,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <vector>
+
 namespace selfdraft {
 namespace {
 
@@ -22,13 +24,20 @@ inline void store(Out* y, float s, const float* bias, int64_t j) {
 }
 
 // MT input rows x NT output features starting at feature j: y[i, j + c] = dot(x[i, :], w[c, :]).
+// With `next` (the NT weight rows the following tile reads), those rows are prefetched a cache line
+// at a time as this tile streams its own: a 1-row product is bound by memory, and the hardware
+// prefetcher alone, following NT interleaved row streams, left it at ~70% of the bandwidth a plain
+// sum reaches here (docs/perf_log.md, twelfth session).
 template <int MT, int NT, typename Out>
-inline void tile(const float* x, int64_t k, const uint16_t* w, Out* y, int64_t ldy, const float* bias, int64_t j) {
+inline void tile(const float* x, int64_t k, const uint16_t* w, Out* y, int64_t ldy, const float* bias, int64_t j,
+                 const uint16_t* next = nullptr) {
   __m256 acc[MT][NT];
   for (int i = 0; i < MT; ++i)
     for (int c = 0; c < NT; ++c) acc[i][c] = _mm256_setzero_ps();
   int64_t t = 0;
   for (; t + 8 <= k; t += 8) {
+    if (next != nullptr && (t & 31) == 0)  // 32 bf16 = one 64-byte line per row
+      for (int c = 0; c < NT; ++c) _mm_prefetch(reinterpret_cast<const char*>(next + c * k + t), _MM_HINT_T0);
     __m256 xv[MT];
     for (int i = 0; i < MT; ++i) xv[i] = _mm256_loadu_ps(x + i * k + t);
     for (int c = 0; c < NT; ++c) {
@@ -51,8 +60,11 @@ void feature_block(const float* x, int64_t m, const uint16_t* w, int64_t n0, int
                    int64_t n, const float* bias) {
   int64_t j = n0;
   for (; j + NT <= n1; j += NT) {
+    // the first row tile prefetches the next feature tile of this task range (later row tiles find
+    // the current weight rows in L1)
+    const uint16_t* next = j + 2 * NT <= n1 ? w + (j + NT) * k : nullptr;
     int64_t i = 0;
-    for (; i + MT <= m; i += MT) tile<MT, NT>(x + i * k, k, w + j * k, y + i * n + j, n, bias, j);
+    for (; i + MT <= m; i += MT) tile<MT, NT>(x + i * k, k, w + j * k, y + i * n + j, n, bias, j, i == 0 ? next : nullptr);
     for (; i < m; ++i) tile<1, NT>(x + i * k, k, w + j * k, y + i * n + j, n, bias, j);
   }
   for (; j < n1; ++j)
@@ -86,8 +98,22 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   const int64_t m = k == 0 ? 0 : x.numel() / k;
   const at::Tensor w = weight.contiguous();
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  // the input rows in fp32 (exact for bf16), contiguous
-  at::Tensor x32 = x.scalar_type() == at::kFloat ? x.reshape({m, k}).contiguous() : x.reshape({m, k}).to(at::kFloat);
+  // the input rows in fp32 (exact for bf16), contiguous. bf16 rows are widened into a buffer of the
+  // calling thread: a tensor conversion per product (dispatch and allocation, ~4 us) cost ~1 ms of a
+  // 211-product SmolLM2 forward.
+  at::Tensor x32;
+  const float* xp;
+  if (x.scalar_type() == at::kFloat) {
+    x32 = x.reshape({m, k}).contiguous();
+    xp = x32.data_ptr<float>();
+  } else {
+    const at::Tensor xc = x.contiguous();
+    const auto* src = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+    thread_local std::vector<float> widened;
+    widened.resize(static_cast<size_t>(m * k));
+    for (int64_t e = 0; e < m * k; ++e) widened[e] = bf16_to_float(src[e]);
+    xp = widened.data();
+  }
   at::Tensor b32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "bias has ", bias->numel(), " entries, expected ", n);
@@ -98,9 +124,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   sizes.back() = n;
   at::Tensor y = at::empty(sizes, x.options());
   if (x.scalar_type() == at::kFloat)
-    run(x32.data_ptr<float>(), m, wp, n, k, y.data_ptr<float>(), bp);
+    run(xp, m, wp, n, k, y.data_ptr<float>(), bp);
   else
-    run(x32.data_ptr<float>(), m, wp, n, k, y.data_ptr<at::BFloat16>(), bp);
+    run(xp, m, wp, n, k, y.data_ptr<at::BFloat16>(), bp);
   return y;
 }
 
