@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from selfdraft.cache import RaggedCache, SpecCache
 from selfdraft.kernels import forward_products
+from selfdraft.lean_forward import lean_applies, lean_forward
 from selfdraft.tree import Tree
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
@@ -129,11 +130,14 @@ def tree_forward(
     visible[:, prefix:] = tree.ancestors.to(device)
     dtype = model.get_input_embeddings().weight.dtype
     mask = attention_mask(model, visible, positions, key_pos, dtype)
+    position_ids = positions[None].expand(tokens.shape[0], n)
+    if dtype == torch.bfloat16 and (lean := lean_applies(model, cache, tokens)) is not None:
+        return ForwardOutput(*lean_forward(*lean, cache, tokens, position_ids, mask, hidden_layers, last_logits_only))
     with forward_products(model, dtype, device, tokens.numel()):
         out = model(
             input_ids=tokens,
             attention_mask=mask,
-            position_ids=positions[None].expand(tokens.shape[0], n),
+            position_ids=position_ids,
             use_cache=True,
             output_hidden_states=list(hidden_layers) if hidden_layers else False,
             logits_to_keep=1 if last_logits_only else 0,

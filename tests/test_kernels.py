@@ -114,13 +114,16 @@ def test_tree_forward_with_other_products_matches_bf16_kernels(monkeypatch, rout
         monkeypatch.setattr(kernels, "fused_kernel", lambda: None)
     else:  # the 14-token prefill is a small forward: no fp32 mode, every product fused
         monkeypatch.setattr(kernels, "_shared_mode", lambda: pytest.fail("fp32 mode entered for a small forward"))
-    calls = {"bf16_linear": 0, "bf16_attention": 0, "bf16_rms_norm": 0}
+    calls = {"bf16_linear": 0, "bf16_attention": 0, "bf16_rms_norm": 0, "bf16_rope": 0}
     real_build = kernels.build_fused_kernel()
 
     class Spy:
         def __getattr__(self, name):
             def call(*args):
-                calls[name] += 1
+                if name == "bf16_linear_many":  # several products in one call (the lean forward's q/k/v)
+                    calls["bf16_linear"] += len(args[1])
+                else:
+                    calls[name] += 1
                 return getattr(real_build, name)(*args)
 
             return call
@@ -193,6 +196,29 @@ def test_fused_kernel_reads_non_contiguous_input_and_reuses_its_buffer():
         got = kernel.bf16_linear(x, w, None)
         assert got.shape == (*x.shape[:-1], 40)
         assert (got.float() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_fused_kernel_many_products_equal_one_at_a_time(rows):
+    """Guards the shared parallel loop: feature counts whose tasks straddle the products (7, 101, 48,
+    1), biases on some products only; each output is bit-identical to that product alone."""
+    kernel = fused()
+    torch.manual_seed(rows)
+    x = torch.randn(2, rows, 40).bfloat16()
+    weights = [torch.randn(n, 40).bfloat16() for n in (7, 101, 48, 1)]
+    biases = [None, torch.randn(101).bfloat16(), None, torch.randn(1).bfloat16()]
+    got = kernel.bf16_linear_many(x, weights, biases)
+    assert [g.shape for g in got] == [(2, rows, w.shape[0]) for w in weights]
+    for g, w, b in zip(got, weights, biases):
+        assert torch.equal(g, kernel.bf16_linear(x, w, b))
+    for g, w in zip(kernel.bf16_linear_many(x, weights), weights):  # no biases at all
+        assert torch.equal(g, kernel.bf16_linear(x, w, None))
+    with pytest.raises(RuntimeError, match="one bias"):
+        kernel.bf16_linear_many(x, weights, biases[:2])
+    with pytest.raises(RuntimeError, match="weight expects 41"):
+        kernel.bf16_linear_many(x, [weights[0], torch.randn(3, 41).bfloat16()])
+    with pytest.raises(RuntimeError, match="at least one weight"):
+        kernel.bf16_linear_many(x, [])
 
 
 def test_fused_kernel_rejects_bad_input():

@@ -11,6 +11,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace selfdraft {
@@ -77,31 +78,63 @@ void feature_block(const float* x, int64_t m, const uint16_t* w, int64_t n0, int
 
 constexpr int64_t kFeaturesPerTask = 48;  // a multiple of every NT below
 
+// Output features [n0, n1) of one product for all m rows, in the tile shape for m rows.
 template <typename Out>
-void run(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k, Out* y, const float* bias) {
-  const int64_t tasks = (n + kFeaturesPerTask - 1) / kFeaturesPerTask;
-  at::parallel_for(0, tasks, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * kFeaturesPerTask, n1 = std::min(n, b1 * kFeaturesPerTask);
-    if (m == 1)
-      feature_block<1, 8>(x, m, w, n0, n1, k, y, n, bias);
-    else if (m >= 3)  // 3-row tiles, then 2 or 1 rows: 1.06-1.20x the 2x6 tiles for 4-11 rows
-      feature_block<3, 4>(x, m, w, n0, n1, k, y, n, bias);
-    else
-      feature_block<2, 6>(x, m, w, n0, n1, k, y, n, bias);
+void features(const float* x, int64_t m, const uint16_t* w, int64_t n0, int64_t n1, int64_t k, Out* y, int64_t n,
+              const float* bias) {
+  if (m == 1)
+    feature_block<1, 8>(x, m, w, n0, n1, k, y, n, bias);
+  else if (m >= 3)  // 3-row tiles, then 2 or 1 rows: 1.06-1.20x the 2x6 tiles for 4-11 rows
+    feature_block<3, 4>(x, m, w, n0, n1, k, y, n, bias);
+  else
+    feature_block<2, 6>(x, m, w, n0, n1, k, y, n, bias);
+}
+
+// One product of the same input rows: weight (n, k), output rows of n, fp32 bias or null.
+template <typename Out>
+struct Product {
+  const uint16_t* w;
+  int64_t n;
+  Out* y;
+  const float* bias;
+};
+
+// Every product's features split into tasks of kFeaturesPerTask, all products' tasks in one parallel
+// loop: each thread takes a contiguous run of tasks, possibly across products. Several small products
+// of one input (a layer's q, k and v) then cost one thread hand-off instead of one each, and each
+// thread streams a longer run of weight rows.
+template <typename Out>
+void run(const float* x, int64_t m, int64_t k, const std::vector<Product<Out>>& products) {
+  std::vector<int64_t> first(products.size() + 1, 0);  // first task of each product
+  for (size_t p = 0; p < products.size(); ++p)
+    first[p + 1] = first[p] + (products[p].n + kFeaturesPerTask - 1) / kFeaturesPerTask;
+  at::parallel_for(0, first.back(), 1, [&](int64_t b0, int64_t b1) {
+    for (size_t p = 0; p < products.size(); ++p) {
+      const int64_t lo = std::max(b0, first[p]), hi = std::min(b1, first[p + 1]);
+      if (lo >= hi) continue;
+      const Product<Out>& q = products[p];
+      features(x, m, q.w, (lo - first[p]) * kFeaturesPerTask, std::min(q.n, (hi - first[p]) * kFeaturesPerTask), k, q.y,
+               q.n, q.bias);
+    }
   });
 }
 
 }  // namespace
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2, "weight must be a 2-D bfloat16 tensor");
+std::vector<at::Tensor> bf16_linear_many(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                         const std::vector<c10::optional<at::Tensor>>& biases) {
+  TORCH_CHECK(!weights.empty(), "bf16_linear_many needs at least one weight");
+  TORCH_CHECK(biases.empty() || biases.size() == weights.size(), "give one bias (or None) per weight, or no biases: ",
+              weights.size(), " weights, ", biases.size(), " biases");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_linear runs on the CPU");
-  TORCH_CHECK(x.size(-1) == weight.size(1), "x has ", x.size(-1), " features, weight expects ", weight.size(1));
-  const int64_t k = weight.size(1), n = weight.size(0);
+  TORCH_CHECK(x.dim() >= 1, "x must have a feature dimension");
+  const int64_t k = x.size(-1);
+  for (const at::Tensor& weight : weights) {
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2, "weight must be a 2-D bfloat16 tensor");
+    TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_linear runs on the CPU");
+    TORCH_CHECK(weight.size(1) == k, "x has ", k, " features, weight expects ", weight.size(1));
+  }
   const int64_t m = k == 0 ? 0 : x.numel() / k;
-  const at::Tensor w = weight.contiguous();
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   // the input rows in fp32 (exact for bf16), contiguous. bf16 rows are widened into a buffer of the
   // calling thread: a tensor conversion per product (dispatch and allocation, ~4 us) cost ~1 ms of a
   // 211-product SmolLM2 forward.
@@ -118,20 +151,40 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
     for (int64_t e = 0; e < m * k; ++e) widened[e] = bf16_to_float(src[e]);
     xp = widened.data();
   }
-  at::Tensor b32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bias has ", bias->numel(), " entries, expected ", n);
-    b32 = bias->to(at::kFloat).contiguous();
+  std::vector<at::Tensor> ws, b32s, ys;
+  for (size_t p = 0; p < weights.size(); ++p) {
+    const int64_t n = weights[p].size(0);
+    ws.push_back(weights[p].contiguous());
+    at::Tensor b32;
+    if (!biases.empty() && biases[p].has_value() && biases[p]->defined()) {
+      TORCH_CHECK(biases[p]->numel() == n, "bias has ", biases[p]->numel(), " entries, expected ", n);
+      b32 = biases[p]->to(at::kFloat).contiguous();
+    }
+    b32s.push_back(b32);
+    auto sizes = x.sizes().vec();
+    sizes.back() = n;
+    ys.push_back(at::empty(sizes, x.options()));
   }
-  const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
-  auto sizes = x.sizes().vec();
-  sizes.back() = n;
-  at::Tensor y = at::empty(sizes, x.options());
+  auto launch = [&](auto* tag) {
+    using Out = std::remove_pointer_t<decltype(tag)>;
+    std::vector<Product<Out>> products;
+    for (size_t p = 0; p < ws.size(); ++p)
+      products.push_back({reinterpret_cast<const uint16_t*>(ws[p].data_ptr<at::BFloat16>()), ws[p].size(0),
+                          ys[p].data_ptr<Out>(), b32s[p].defined() ? b32s[p].data_ptr<float>() : nullptr});
+    run(xp, m, k, products);
+  };
   if (x.scalar_type() == at::kFloat)
-    run(xp, m, wp, n, k, y.data_ptr<float>(), bp);
+    launch(static_cast<float*>(nullptr));
   else
-    run(xp, m, wp, n, k, y.data_ptr<at::BFloat16>(), bp);
-  return y;
+    launch(static_cast<at::BFloat16*>(nullptr));
+  return ys;
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2, "weight must be a 2-D bfloat16 tensor");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "x has ", x.dim() ? x.size(-1) : 0, " features, weight expects ",
+              weight.size(1));
+  return bf16_linear_many(x, {weight}, {bias})[0];
 }
 
 }  // namespace selfdraft

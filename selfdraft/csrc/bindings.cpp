@@ -6,6 +6,9 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &selfdraft::bf16_linear, "x @ weight.T (+ bias) with a bf16 weight, fp32 accumulation",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
+  m.def("bf16_linear_many", &selfdraft::bf16_linear_many,
+        "[x @ w.T (+ b) for w, b in zip(weights, biases)] in one parallel loop (biases: one per weight, None allowed, or [])",
+        pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("biases") = std::vector<c10::optional<at::Tensor>>{});
   m.def("bf16_attention", &selfdraft::bf16_attention,
         "softmax(scale * q k^T + mask) v for bf16 q (B, H, n, D) and cache k, v (B, Hk, L, D); out (B, n, H, D)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask") = pybind11::none(),
@@ -13,4 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_rms_norm", &selfdraft::bf16_rms_norm,
         "RMSNorm of bf16 rows: weight * bf16(x_hat), or bf16(x_hat * (1 + weight)) with unit_offset",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("unit_offset") = false);
+  m.def("bf16_rope", &selfdraft::bf16_rope,
+        "x * cos + rotate_half(x) * sin for bf16 x (B, n, H, D) and cos, sin (B or 1, n, D), rounded as eager bf16",
+        pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"));
 }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace selfdraft {
 
@@ -33,11 +34,18 @@ inline float hsum(__m256 v) {
 // x @ weight.T (+ bias) with a bf16 weight, fp32 accumulation (bf16_linear.cpp).
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
+// Several products of the same x in one parallel loop: [x @ w.T (+ b) for w, b in zip(weights, biases)] (bf16_linear.cpp).
+std::vector<at::Tensor> bf16_linear_many(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                         const std::vector<c10::optional<at::Tensor>>& biases);
+
 // softmax(scale * q k^T + mask) v over a bf16 cache, (batch, q positions, heads, head_dim) out (bf16_attention.cpp).
 at::Tensor bf16_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const c10::optional<at::Tensor>& mask, double scale);
 
 // RMSNorm of bf16 rows: weight * bf16(x_hat), or bf16(x_hat * (1 + weight)) with unit_offset (bf16_rms_norm.cpp).
 at::Tensor bf16_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
+
+// Rotary embedding of bf16 heads (batch, positions, heads, head_dim) with Hugging Face's eager roundings (bf16_rope.cpp).
+at::Tensor bf16_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 }  // namespace selfdraft

@@ -1,0 +1,135 @@
+"""The lean decode forward (selfdraft/lean_forward.py): bit-identical to the Hugging Face forward with
+the fused kernels where it applies, out of the way everywhere else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompt, tiny_model
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import selfdraft.adapter as adapter
+import selfdraft.lean_forward as lean
+from selfdraft.adapter import new_cache, shallow_view, tree_forward
+from selfdraft.kernels import build_fused_kernel
+from selfdraft.tree import chain_tree, tree_from_parents
+
+
+def kernel():
+    k = build_fused_kernel()
+    if k is None:
+        pytest.skip("the fused bf16 kernels need an x86 CPU with AVX2 and a C++ compiler")
+    return k
+
+
+@pytest.mark.parametrize("heads,d", [(4, 8), (9, 64), (3, 2)])
+def test_rope_kernel_rounds_as_eager_bf16(heads, d):
+    """The rotary kernel equals HF's apply_rotary_pos_emb in bf16 bit for bit (three roundings per
+    element), for per-row and shared cos/sin."""
+    k = kernel()
+    g = torch.Generator().manual_seed(heads * d)
+    for batch, cos_batch in ((1, 1), (2, 2), (2, 1)):
+        x = (torch.randn(batch, 5, heads, d, generator=g) * 3).bfloat16()
+        angles = torch.rand(cos_batch, 5, d // 2, generator=g) * 40
+        cos, sin = torch.cat([angles.cos()] * 2, -1).bfloat16(), torch.cat([angles.sin()] * 2, -1).bfloat16()
+        want, _ = apply_rotary_pos_emb(x.transpose(1, 2), x.transpose(1, 2), cos, sin)
+        assert torch.equal(k.bf16_rope(x, cos, sin), want.transpose(1, 2))
+    with pytest.raises(RuntimeError, match="positions, head_dim"):
+        k.bf16_rope(x, cos[:, :4], sin[:, :4])
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        k.bf16_rope(x.float(), cos, sin)
+
+
+def forward_both(monkeypatch, model, prompt, trees, hidden_layers=(), last_logits_only=False):
+    """Per tree: (HF forward's output and cache, lean forward's output and cache), each after the same
+    prefill; counts the lean forwards actually taken."""
+    taken = {"lean": 0}
+    real = adapter.lean_forward
+
+    def counting(*args, **kwargs):
+        taken["lean"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "lean_forward", counting)
+    results = []
+    for tree in trees:
+        pair = []
+        for on in ("0", "1"):
+            monkeypatch.setenv(lean.LEAN_ENV, on)
+            cache = new_cache(model, 64)
+            with torch.inference_mode():
+                tree_forward(model, cache, prompt, chain_tree(prompt.shape[1] - 1), last_logits_only=True)
+                tokens = torch.tensor([random_prompt(tree.size, tree.size)])
+                out = tree_forward(model, cache, tokens, tree, hidden_layers, last_logits_only)
+            pair.append((out, cache))
+        results.append(pair)
+    return results, taken["lean"]
+
+
+def assert_same(hf, lean_out):
+    (a, cache_a), (b, cache_b) = hf, lean_out
+    assert a.logits.dtype == b.logits.dtype == torch.bfloat16
+    assert torch.equal(a.logits, b.logits)
+    assert (a.hidden_states is None) == (b.hidden_states is None)
+    if a.hidden_states is not None:
+        assert sorted(a.hidden_states) == sorted(b.hidden_states)
+        for i in a.hidden_states:
+            assert torch.equal(a.hidden_states[i], b.hidden_states[i]), f"hidden state {i}"
+    assert cache_a.length == cache_b.length
+    for la, lb in zip(cache_a.layers, cache_b.layers):
+        assert torch.equal(la.keys[:, :, : la.length], lb.keys[:, :, : lb.length])
+        assert torch.equal(la.values[:, :, : la.length], lb.values[:, :, : lb.length])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_forward_is_bit_identical_to_the_hf_forward(monkeypatch, arch):
+    """Decode steps, chains and branching trees after a prefill: same logits, hidden states (HF's
+    numbering, negative indices included) and cache entries as the HF forward with the fused kernels;
+    Qwen2 adds q/k/v biases. The layer-skip view of the target takes it too."""
+    kernel()
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    prompt = torch.tensor([random_prompt(20, 1)])  # > 16 tokens: the prefill itself takes HF's forward
+    trees = [chain_tree(0), chain_tree(3), tree_from_parents([-1, 0, 0, 1, 1, 2, 4])]
+    layers = model.config.num_hidden_layers
+    for hidden, last_only in (((), False), ((0, 1, layers - 1, -1), False), ((2, layers), True)):
+        results, taken = forward_both(monkeypatch, model, prompt, trees, hidden, last_only)
+        assert taken == len(trees)  # one per tree: the lean one; the prefills and HF forwards are not
+        for hf, lean_out in results:
+            assert_same(hf, lean_out)
+    view = shallow_view(model, 2)
+    results, taken = forward_both(monkeypatch, view, prompt, trees[:2], (1, -1))
+    assert taken == 2
+    for hf, lean_out in results:
+        assert_same(hf, lean_out)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
+def test_lean_forward_declines_other_architectures(arch):
+    """Gemma-3 (sliding windows, (1 + w) norms, q/k norms) and Qwen3 (q/k norms) keep HF's forward."""
+    k = kernel()
+    assert lean.lean_plan(tiny_model(arch, dtype=torch.bfloat16), k) is None
+
+
+def test_lean_forward_applies_only_where_it_reproduces_the_forward(monkeypatch):
+    k = kernel()
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    cache = new_cache(model, 64)
+    small, wide = torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, lean.FUSED_ATTENTION_MAX_QUERIES + 1, dtype=torch.long)
+    with torch.inference_mode():
+        assert lean.lean_applies(model, cache, small) is not None
+        assert lean.lean_applies(model, cache, wide) is None  # too many queries for the attention kernel
+        monkeypatch.setenv(lean.LEAN_ENV, "0")
+        assert lean.lean_applies(model, cache, small) is None
+        monkeypatch.delenv(lean.LEAN_ENV)
+        from selfdraft.cache import RaggedCache
+
+        assert lean.lean_applies(model, RaggedCache(model.config.num_hidden_layers, 1, 64), small) is None
+    assert lean.lean_applies(model, cache, small) is None  # gradients on (training, say)
+    assert lean.lean_plan(tiny_model("llama"), k) is None  # fp32 weights: no bf16 kernels
+    # a module whose forward is replaced (a hook, an adapter): declined, and not remembered as declined
+    other = tiny_model("llama", seed=1, dtype=torch.bfloat16)
+    proj = other.model.layers[0].mlp.up_proj
+    vars(proj)["forward"] = lambda x: x
+    assert lean.lean_plan(other, k) is None
+    del vars(proj)["forward"]
+    assert lean.lean_plan(other, k) is not None
