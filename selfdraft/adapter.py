@@ -1,4 +1,4 @@
-"""The one file that knows Hugging Face internals.
+"""The one file that knows Hugging Face internals (with its fast path, :mod:`selfdraft.lean_forward`).
 
 Tree verification goes into an unmodified ``AutoModelForCausalLM`` through public inputs only: an
 explicit 4D additive attention mask (a ``{layer_type: mask}`` dict for models with sliding-window
@@ -6,6 +6,8 @@ layers, as Gemma-3's forward accepts), explicit ``position_ids`` and a :class:`S
 the model's cache argument. Each supported architecture has a parity test (tests/test_tree_parity.py). With bf16 weights on a CPU
 without native bf16, a forward's matrix products go through a fused kernel (few tokens) or fp32
 products (many tokens): :func:`selfdraft.kernels.forward_products`; the weights are not touched.
+Small bf16 forwards of Llama-family targets skip the model's module stack: :func:`tree_forward` hands
+them to :func:`selfdraft.lean_forward.lean_forward`, which computes the same values bit for bit.
 """
 
 from __future__ import annotations
