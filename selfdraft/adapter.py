@@ -6,7 +6,7 @@ layers, as Gemma-3's forward accepts), explicit ``position_ids`` and a :class:`S
 the model's cache argument. Each supported architecture has a parity test (tests/test_tree_parity.py). With bf16 weights on a CPU
 without native bf16, a forward's matrix products go through a fused kernel (few tokens) or fp32
 products (many tokens): :func:`selfdraft.kernels.forward_products`; the weights are not touched.
-Small bf16 forwards of Llama-family targets skip the model's module stack: :func:`tree_forward` hands
+Small bf16 forwards of Llama-family and Gemma-3 targets skip the model's module stack: :func:`tree_forward` hands
 them to :func:`selfdraft.lean_forward.lean_forward`, which computes the same values bit for bit.
 """
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -71,22 +71,14 @@ class _Layer:
     k_norm: _Norm | None = None
     attn_out_norm: _Norm | None = None
     mlp_out_norm: _Norm | None = None
+    qkv: tuple[list[Tensor], list[Tensor | None]] = field(init=False, repr=False)
+    """(weights, biases) of the combined q/k/v product call, gathered once rather than per forward."""
+    gate_up: tuple[list[Tensor], list[Tensor | None]] = field(init=False, repr=False)
+    """(weights, biases) of the combined gate/up product call."""
 
-    @property
-    def qkv_weights(self) -> list[Tensor]:
-        return [self.q.weight, self.k.weight, self.v.weight]
-
-    @property
-    def qkv_biases(self) -> list[Tensor | None]:
-        return [self.q.bias, self.k.bias, self.v.bias]
-
-    @property
-    def gate_up_weights(self) -> list[Tensor]:
-        return [self.gate.weight, self.up.weight]
-
-    @property
-    def gate_up_biases(self) -> list[Tensor | None]:
-        return [self.gate.bias, self.up.bias]
+    def __post_init__(self):  # a frozen dataclass sets its derived fields through object.__setattr__
+        object.__setattr__(self, "qkv", ([self.q.weight, self.k.weight, self.v.weight], [self.q.bias, self.k.bias, self.v.bias]))
+        object.__setattr__(self, "gate_up", ([self.gate.weight, self.up.weight], [self.gate.bias, self.up.bias]))
 
 
 @dataclass(frozen=True)
@@ -270,7 +262,7 @@ def lean_forward(
             hidden[wanted[i]] = x
         cos, sin = rope[layer.layer_type]
         h = _rms_norm(k, x, layer.input_norm)
-        q, key, value = k.bf16_linear_many(h, layer.qkv_weights, layer.qkv_biases)
+        q, key, value = k.bf16_linear_many(h, *layer.qkv)
         q = q.view(b, n, layer.heads, layer.head_dim)
         key = key.view(b, n, layer.kv_heads, layer.head_dim)
         if layer.q_norm is not None:
@@ -283,7 +275,7 @@ def lean_forward(
         o = k.bf16_linear(a.view(b, n, -1), layer.o.weight, layer.o.bias)
         x = x + (o if layer.attn_out_norm is None else _rms_norm(k, o, layer.attn_out_norm))
         h = _rms_norm(k, x, layer.mlp_norm)
-        gate, up = k.bf16_linear_many(h, layer.gate_up_weights, layer.gate_up_biases)
+        gate, up = k.bf16_linear_many(h, *layer.gate_up)
         m = k.bf16_linear(layer.act(gate) * up, layer.down.weight, layer.down.bias)
         x = x + (m if layer.mlp_out_norm is None else _rms_norm(k, m, layer.mlp_out_norm))
     x = _rms_norm(k, x, plan.norm)

@@ -16,10 +16,6 @@
 namespace selfdraft {
 namespace {
 
-inline uint16_t round_bf16(float f) {
-  return static_cast<at::BFloat16>(f).x;  // round to nearest even, as PyTorch's casts
-}
-
 void norm_row(const uint16_t* x, const uint16_t* w, int64_t h, float eps, bool unit_offset, uint16_t* y) {
   __m256 acc = _mm256_setzero_ps();
   int64_t c = 0;

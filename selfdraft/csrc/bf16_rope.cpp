@@ -11,10 +11,6 @@
 namespace selfdraft {
 namespace {
 
-inline uint16_t round_bf16(float f) {
-  return static_cast<at::BFloat16>(f).x;  // round to nearest even, as PyTorch's casts
-}
-
 inline float rounded_product(float a, float b) { return bf16_to_float(round_bf16(a * b)); }
 
 }  // namespace

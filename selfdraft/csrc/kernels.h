@@ -24,6 +24,9 @@ inline float bf16_to_float(uint16_t v) {
   return f;
 }
 
+// fp32 rounded to bf16 (nearest even, as PyTorch's casts), as raw bits.
+inline uint16_t round_bf16(float f) { return static_cast<at::BFloat16>(f).x; }
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
