@@ -183,6 +183,21 @@ def test_fused_kernel_is_the_fp32_product_rounded(rows, k, n):
             assert diff <= tol * want.abs().max().item(), f"{dtype}, bias {bias is not None}: max diff {diff}"
 
 
+@pytest.mark.parametrize("k", [96, 1152, 20])
+def test_fused_kernel_row_results_do_not_depend_on_the_row_count(k):
+    """Guards what greedy exactness rests on: a row's output is bit-identical whether the product has
+    one row (a decode step: the one-row stream path) or several (a verified tree: the row tiles), for
+    every row position in a tile and its remainder, with bias and a scalar tail (k = 20)."""
+    kernel = fused()
+    torch.manual_seed(k)
+    w, b = torch.randn(101, k).bfloat16(), torch.randn(101).bfloat16()
+    x = torch.randn(9, k).bfloat16()
+    for bias in (None, b):
+        alone = torch.cat([kernel.bf16_linear(x[i : i + 1], w, bias) for i in range(9)])
+        for rows in range(2, 10):
+            assert torch.equal(kernel.bf16_linear(x[:rows], w, bias), alone[:rows]), f"{rows} rows, bias {bias is not None}"
+
+
 def test_fused_kernel_reads_non_contiguous_input_and_reuses_its_buffer():
     """Guards the widening buffer the kernel keeps per calling thread: a strided view is read in its
     logical order, and a small product after a larger one reads only its own rows."""

@@ -26,9 +26,10 @@ inline void store(Out* y, float s, const float* bias, int64_t j) {
 
 // MT input rows x NT output features starting at feature j: y[i, j + c] = dot(x[i, :], w[c, :]).
 // With `next` (the NT weight rows the following tile reads), those rows are prefetched a cache line
-// at a time as this tile streams its own: a 1-row product is bound by memory, and the hardware
-// prefetcher alone, following NT interleaved row streams, left it at ~70% of the bandwidth a plain
-// sum reaches here (docs/perf_log.md, twelfth session).
+// at a time as this tile streams its own: a product of a few rows is bound by memory, and the
+// hardware prefetcher alone, following NT interleaved row streams, left it at ~70% of the bandwidth
+// a plain sum reaches here (docs/perf_log.md, twelfth session). One-row products do better still as
+// one stream (features_one_row below).
 template <int MT, int NT, typename Out>
 inline void tile(const float* x, int64_t k, const uint16_t* w, Out* y, int64_t ldy, const float* bias, int64_t j,
                  const uint16_t* next = nullptr) {
@@ -76,6 +77,30 @@ void feature_block(const float* x, int64_t m, const uint16_t* w, int64_t n0, int
     for (int64_t i = 0; i < m; ++i) tile<1, 1>(x + i * k, k, w + j * k, y + i * n + j, n, bias, j);
 }
 
+// One input row: the weight rows one after another, so each thread reads its share of the weight
+// as one contiguous stream, prefetched kStreamAhead bytes ahead at every load. The 1 x 8 tile above
+// reads eight rows side by side (eight streams 1152 bytes apart for SmolLM2); on the AVX2 EPYC this
+// streamed a decode step's products at ~13 GB/s, one stream at ~17 (docs/perf_log.md, fourteenth
+// session). Each output's sum runs in the same order as in tile() (one accumulator over k, then
+// hsum, then the tail), so a row's result does not depend on how many rows the product has.
+constexpr int64_t kStreamAhead = 2048;
+
+template <typename Out>
+void features_one_row(const float* x, const uint16_t* w, int64_t n0, int64_t n1, int64_t k, Out* y, const float* bias) {
+  for (int64_t j = n0; j < n1; ++j) {
+    const uint16_t* wr = w + j * k;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= k; t += 8) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + t) + kStreamAhead, _MM_HINT_T0);  // never faults
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + t), load_bf16x8(wr + t), acc);
+    }
+    float s = hsum(acc);
+    for (int64_t r = t; r < k; ++r) s += x[r] * bf16_to_float(wr[r]);
+    store(y + j, s, bias, j);
+  }
+}
+
 constexpr int64_t kFeaturesPerTask = 48;  // a multiple of every NT below
 
 // Output features [n0, n1) of one product for all m rows, in the tile shape for m rows.
@@ -83,7 +108,7 @@ template <typename Out>
 void features(const float* x, int64_t m, const uint16_t* w, int64_t n0, int64_t n1, int64_t k, Out* y, int64_t n,
               const float* bias) {
   if (m == 1)
-    feature_block<1, 8>(x, m, w, n0, n1, k, y, n, bias);
+    features_one_row(x, w, n0, n1, k, y, bias);
   else if (m >= 3)  // 3-row tiles, then 2 or 1 rows: 1.06-1.20x the 2x6 tiles for 4-11 rows
     feature_block<3, 4>(x, m, w, n0, n1, k, y, n, bias);
   else
