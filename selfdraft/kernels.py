@@ -312,27 +312,39 @@ def fused_modules(*roots: nn.Module | None) -> AbstractContextManager:
     return fm
 
 
+def attention_kernel(query: Tensor, key: Tensor, value: Tensor):
+    """The kernel module whose ``bf16_attention`` takes this attention (bf16 CPU inference over at
+    most FUSED_ATTENTION_MAX_QUERIES query positions, query (b, heads, n, d) with d a multiple of 8,
+    key and value (b, kv heads, L, d)), else None."""
+    kernel = fused_kernel()
+    d = query.shape[-1]
+    if (
+        kernel is None
+        or not query.dtype == key.dtype == value.dtype == torch.bfloat16
+        or query.device.type != "cpu"
+        or query.shape[2] > FUSED_ATTENTION_MAX_QUERIES
+        or d % 8 != 0
+        or not key.shape[-1] == value.shape[-1] == d
+        or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+    ):
+        return None
+    return kernel
+
+
 def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """The attention function :class:`FusedAttention` selects (Hugging Face's attention-interface
     signature): the fused kernel for bf16 inference over at most FUSED_ATTENTION_MAX_QUERIES query
     positions, HF's SDPA attention for anything else."""
-    kernel = fused_kernel()
-    n, d = query.shape[2], query.shape[-1]
+    kernel = attention_kernel(query, key, value)
     if (
         kernel is not None
-        and query.dtype == key.dtype == value.dtype == torch.bfloat16
-        and query.device.type == "cpu"
-        and n <= FUSED_ATTENTION_MAX_QUERIES
-        and (attention_mask is not None or n == 1)
-        and d % 8 == 0
-        and key.shape[-1] == value.shape[-1] == d
+        and (attention_mask is not None or query.shape[2] == 1)
         and kwargs.get("softcap") is None
         and not kwargs.get("output_attentions", False)
-        and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
         and not (module.training and dropout > 0)
     ):
-        scale = scaling if scaling is not None else d**-0.5
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return kernel.bf16_attention(query, key, value, attention_mask, scale), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

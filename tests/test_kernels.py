@@ -328,6 +328,51 @@ def test_fused_attention_kernel_is_sdpa(b, h, hk, n, length, d):
         assert diff <= 2e-2 * max(1.0, want.abs().max().item()), f"mask {None if mask is None else mask.dtype}: {diff}"
 
 
+def test_draft_head_attention_takes_the_kernel_for_bf16_steps_only(monkeypatch):
+    """Guards the draft heads' attention (selfdraft/heads/layers.py): a bf16 drafting step (a few
+    queries over a grouped-query cache, a tree mask) goes through the kernel, with SDPA's result to
+    within bf16 rounding; fp32, gradients and long query blocks keep SDPA; the rotary table gives the
+    values rope() computes, element for element, also after it grows."""
+    from selfdraft.heads.layers import Attention, RopeTable, rope
+
+    fused()
+    torch.manual_seed(0)
+    attn = Attention(64, 48, num_heads=6, num_kv_heads=2, head_dim=8, rope_theta=10000.0).bfloat16()
+    q = torch.randn(1, 6, 5, 8).bfloat16()
+    k, v = torch.randn(1, 2, 40, 8).bfloat16(), torch.randn(1, 2, 40, 8).bfloat16()
+    mask = torch.rand(1, 1, 5, 40) > 0.4
+    mask[..., 0] = True
+    calls = []
+    real = kernels.fused_kernel()
+
+    class Spy:
+        def bf16_attention(self, *args):
+            calls.append(args[0].shape)
+            return real.bf16_attention(*args)
+
+    monkeypatch.setattr(kernels, "fused_kernel", lambda: Spy())
+    with torch.no_grad():
+        got = attn.attend(q, k, v, mask)
+        assert calls == [(1, 6, 5, 8)]
+        monkeypatch.setattr(kernels, "fused_kernel", lambda: None)
+        want = attn.attend(q, k, v, mask)
+    assert got.shape == want.shape == (1, 5, 48)
+    assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
+    monkeypatch.setattr(kernels, "fused_kernel", lambda: Spy())
+    with torch.no_grad():
+        attn.float().attend(q.float(), k.float(), v.float(), mask)  # fp32
+        attn.bfloat16()
+        long_q = torch.randn(1, 6, kernels.FUSED_ATTENTION_MAX_QUERIES + 1, 8).bfloat16()
+        attn.attend(long_q, k, v, torch.ones(1, 1, long_q.shape[2], 40, dtype=torch.bool))
+    attn.attend(q.requires_grad_(), k, v, mask)  # training
+    assert len(calls) == 1
+    table = RopeTable(8, 10000.0)
+    for positions in (torch.tensor([[3, 4, 4, 9]]), torch.arange(700)[None], torch.tensor([[0, 699, 5]])):
+        for got_t, want_t in zip(table(positions), rope(positions, 8, 10000.0)):
+            assert torch.equal(got_t, want_t)
+    assert table.cos.shape[0] >= 700
+
+
 def test_fused_attention_kernel_edges_and_bad_input():
     """A query row with every key masked out (bool) gives zeros, not NaN; bad shapes and dtypes raise
     with the reason."""

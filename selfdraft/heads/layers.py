@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from selfdraft.kernels import attention_kernel
+
 
 def shared_projection(lm_head: nn.Module, x: Tensor) -> Tensor:
     """The target's (shared, frozen) ``lm_head`` applied to head states ``x``. Heads trained in fp32 on
@@ -42,6 +44,25 @@ def rope(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor
     return emb.cos(), emb.sin()
 
 
+class RopeTable:
+    """cos and sin of :func:`rope` for positions 0 .. n-1, computed once and grown (doubling) when a
+    larger position comes: a drafting step looks its few positions up instead of computing them (the
+    values are the same, element for element)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.head_dim, self.theta = head_dim, theta
+        self.cos = self.sin = torch.empty(0, head_dim)
+
+    def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        if positions.device.type != "cpu":  # the lookup's max() would wait for the device: compute
+            return rope(positions, self.head_dim, self.theta)
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self.cos.shape[0]:
+            size = max(needed, 2 * self.cos.shape[0], 256)
+            self.cos, self.sin = rope(torch.arange(size, device=positions.device), self.head_dim, self.theta)
+        return self.cos[positions], self.sin[positions]
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim)."""
     half = x.shape[-1] // 2
@@ -60,6 +81,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.rope = RopeTable(head_dim, rope_theta)
 
     def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x: (b, s, in) -> q (b, nh, s, hd), k and v (b, nkv, s, hd), rotary applied at ``positions`` (b, s)."""
@@ -67,11 +89,20 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope(positions, self.head_dim, self.rope_theta)
+        cos, sin = self.rope(positions)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """q (b, nh, s, hd) over k, v (b, nkv, S, hd) with a (b or 1, 1, s, S) bool mask -> (b, s, hidden)."""
+        """q (b, nh, s, hd) over k, v (b, nkv, S, hd) with a (b or 1, 1, s, S) bool mask -> (b, s, hidden).
+
+        bf16 drafting steps on the CPU go through the fused attention kernel (query heads share their
+        KV head's rows, no expanded copy of the cache; fp32 softmax like SDPA's, results may differ
+        from SDPA's in the last bf16 bit); everything else through SDPA."""
+        kernel = attention_kernel(q, k, v)
+        if kernel is not None:
+            b, _, s, _ = q.shape
+            out = kernel.bf16_attention(q, k, v, mask, self.head_dim**-0.5)  # (b, s, nh, hd)
+            return self.o_proj(out.reshape(b, s, -1))
         k, v = self.expand_kv(k), self.expand_kv(v)
         return self.output(nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
