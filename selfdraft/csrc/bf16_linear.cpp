@@ -28,8 +28,8 @@ inline void store(Out* y, float s, const float* bias, int64_t j) {
 // With `next` (the NT weight rows the following tile reads), those rows are prefetched a cache line
 // at a time as this tile streams its own: a product of a few rows is bound by memory, and the
 // hardware prefetcher alone, following NT interleaved row streams, left it at ~70% of the bandwidth
-// a plain sum reaches here (docs/perf_log.md, twelfth session). One-row products do better still as
-// one stream (features_one_row below).
+// a plain sum reaches here (docs/perf_log.md, twelfth session). Products of one to three rows do
+// better still as one stream (features_stream below); the tiles serve four rows and more.
 template <int MT, int NT, typename Out>
 inline void tile(const float* x, int64_t k, const uint16_t* w, Out* y, int64_t ldy, const float* bias, int64_t j,
                  const uint16_t* next = nullptr) {
@@ -77,27 +77,37 @@ void feature_block(const float* x, int64_t m, const uint16_t* w, int64_t n0, int
     for (int64_t i = 0; i < m; ++i) tile<1, 1>(x + i * k, k, w + j * k, y + i * n + j, n, bias, j);
 }
 
-// One input row: the weight rows one after another, so each thread reads its share of the weight
-// as one contiguous stream, prefetched kStreamAhead bytes ahead at every load. The 1 x 8 tile above
-// reads eight rows side by side (eight streams 1152 bytes apart for SmolLM2); on the AVX2 EPYC this
-// streamed a decode step's products at ~13 GB/s, one stream at ~17 (docs/perf_log.md, fourteenth
-// session). Each output's sum runs in the same order as in tile() (one accumulator over k, then
-// hsum, then the tail), so a row's result does not depend on how many rows the product has.
+// One to three input rows: the weight rows one after another, so each thread reads its share of
+// the weight as one contiguous stream, prefetched kStreamAhead bytes ahead at every load. The 1 x 8,
+// 2 x 6 and 3 x 4 tiles read eight, six or four rows side by side (streams 1152 bytes apart for
+// SmolLM2); on the AVX2 EPYC a decode step's products streamed ~1.25x (one row), ~1.2x (two) and
+// ~1.08x (three) faster this way (docs/perf_log.md, fourteenth session). Each output's sum runs in
+// the same order as in tile() (one accumulator over k, then hsum, then the tail), so a row's result
+// does not depend on how many rows the product has.
 constexpr int64_t kStreamAhead = 2048;
 
-template <typename Out>
-void features_one_row(const float* x, const uint16_t* w, int64_t n0, int64_t n1, int64_t k, Out* y, const float* bias) {
+// (The accumulators are named variables: as an array, GCC kept them on the stack in the bf16 output
+// instantiation, a store and a reload per step, which made two-row products 1.6x slower.)
+template <int MT, typename Out>
+void features_stream(const float* x, const uint16_t* w, int64_t n0, int64_t n1, int64_t k, Out* y, int64_t n,
+                     const float* bias) {
+  static_assert(MT >= 1 && MT <= 3, "one to three input rows");
   for (int64_t j = n0; j < n1; ++j) {
     const uint16_t* wr = w + j * k;
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
     int64_t t = 0;
     for (; t + 8 <= k; t += 8) {
       _mm_prefetch(reinterpret_cast<const char*>(wr + t) + kStreamAhead, _MM_HINT_T0);  // never faults
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + t), load_bf16x8(wr + t), acc);
+      const __m256 wv = load_bf16x8(wr + t);
+      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + t), wv, acc0);
+      if constexpr (MT >= 2) acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + t), wv, acc1);
+      if constexpr (MT == 3) acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 2 * k + t), wv, acc2);
     }
-    float s = hsum(acc);
-    for (int64_t r = t; r < k; ++r) s += x[r] * bf16_to_float(wr[r]);
-    store(y + j, s, bias, j);
+    for (int i = 0; i < MT; ++i) {
+      float s = hsum(i == 0 ? acc0 : i == 1 ? acc1 : acc2);
+      for (int64_t r = t; r < k; ++r) s += x[i * k + r] * bf16_to_float(wr[r]);
+      store(y + i * n + j, s, bias, j);
+    }
   }
 }
 
@@ -108,11 +118,13 @@ template <typename Out>
 void features(const float* x, int64_t m, const uint16_t* w, int64_t n0, int64_t n1, int64_t k, Out* y, int64_t n,
               const float* bias) {
   if (m == 1)
-    features_one_row(x, w, n0, n1, k, y, bias);
-  else if (m >= 3)  // 3-row tiles, then 2 or 1 rows: 1.06-1.20x the 2x6 tiles for 4-11 rows
+    features_stream<1>(x, w, n0, n1, k, y, n, bias);
+  else if (m == 2)
+    features_stream<2>(x, w, n0, n1, k, y, n, bias);
+  else if (m == 3)
+    features_stream<3>(x, w, n0, n1, k, y, n, bias);
+  else  // 3-row tiles, then 2 or 1 rows: 1.06-1.20x 2 x 6 tiles for 4-11 rows
     feature_block<3, 4>(x, m, w, n0, n1, k, y, n, bias);
-  else
-    feature_block<2, 6>(x, m, w, n0, n1, k, y, n, bias);
 }
 
 // One product of the same input rows: weight (n, k), output rows of n, fp32 bias or null.
