@@ -123,7 +123,7 @@ void features(const float* x, int64_t m, const uint16_t* w, int64_t n0, int64_t 
     features_stream<2>(x, w, n0, n1, k, y, n, bias);
   else if (m == 3)
     features_stream<3>(x, w, n0, n1, k, y, n, bias);
-  else  // 3-row tiles, then 2 or 1 rows: 1.06-1.20x 2 x 6 tiles for 4-11 rows
+  else  // 3-row tiles, then 2 or 1 rows (1.06-1.20x the 2 x 6 tiles for 4-11 rows)
     feature_block<3, 4>(x, m, w, n0, n1, k, y, n, bias);
 }
 
