@@ -9,14 +9,17 @@
 #   bash scripts/train_cpu2h.sh          # defaults sized to 2 hours on this machine (below)
 #
 # Sizes: on a 2-core AVX2 CPU without native bf16, 1536 prompts and 1250 steps took 117.9 min
-# (docs/perf_log.md, 2026-12-02 sixth session). Where bf16 products are native (AVX512-BF16/AMX) the
-# same budget buys more, so PROMPTS and STEPS default higher there (docs/perf_log.md, eighth session).
+# (docs/perf_log.md, 2026-12-02 sixth session), 94.3 min with the kernels of 2026-12-03 (fifteenth
+# session). Where bf16 products are native (AVX512-BF16/AMX) the same budget buys more, so PROMPTS
+# and STEPS default higher there (docs/perf_log.md, eighth session).
 # Instances of one machine kind differ: one ran 1.4x slower, and 3072 prompts with 2400 steps took
 # 109.8 min there (ninth session); held-out top-1 stayed at 0.44 either way.
 # Other variables (the tests run it on a tiny target): TARGET, DATA, REPLY_TOKENS, CONTEXT, TUNE_PROMPTS,
 # OVERRIDES (extra key=value options for the dump and the training), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# train/*.py run as scripts: import this checkout's selfdraft, not whatever an install elsewhere points to
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON=${PYTHON:-python3}
 CONFIG=${CONFIG:-configs/train/smollm2_eagle3_cpu2h.yaml}
 NATIVE=$("$PYTHON" -c "from selfdraft.kernels import native_bf16_matmul; print(int(native_bf16_matmul('cpu')))")
