@@ -163,39 +163,43 @@ def fused():
     return kernel
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 9, 16])
 @pytest.mark.parametrize("k,n", [(64, 48), (20, 7), (96, 101)])
 def test_fused_kernel_is_the_fp32_product_rounded(rows, k, n):
-    """Guards the kernel's tiles and edges: row counts that hit each row tile and its remainder, a
-    k that is not a multiple of 8 (scalar tail), feature counts that leave partial tiles and tasks,
-    bias, batched input, bf16 and fp32 input."""
+    """Guards the kernel's paths and edges: row counts (rows and twice rows) that take the stream
+    (1-5) and each row tile with its remainders (6: 4 + 2, 7: 4 + 3, 9: 4 + 4 + 1, ...), a k that is
+    not a multiple of 8 (scalar tail), feature counts that leave partial tiles and tasks, bias,
+    batched input, bf16 and fp32 input."""
     kernel = fused()
     torch.manual_seed(rows * 1000 + k + n)
     w, b = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
     for dtype in (torch.bfloat16, torch.float32):
-        x = torch.randn(2, rows, k).to(dtype)
-        for bias in (None, b):
-            got = kernel.bf16_linear(x, w, bias)
-            want = x.float() @ w.float().t() + (bias.float() if bias is not None else 0)
-            assert got.dtype == dtype and got.shape == (2, rows, n)
-            diff = (got.float() - want).abs().max().item()
-            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-            assert diff <= tol * want.abs().max().item(), f"{dtype}, bias {bias is not None}: max diff {diff}"
+        for shape in ((rows, k), (2, rows, k)):
+            x = torch.randn(shape).to(dtype)
+            for bias in (None, b):
+                got = kernel.bf16_linear(x, w, bias)
+                want = x.float() @ w.float().t() + (bias.float() if bias is not None else 0)
+                assert got.dtype == dtype and got.shape == (*shape[:-1], n)
+                diff = (got.float() - want).abs().max().item()
+                tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+                assert diff <= tol * want.abs().max().item(), f"{shape} {dtype}, bias {bias is not None}: max diff {diff}"
 
 
 @pytest.mark.parametrize("k", [96, 1152, 20])
 def test_fused_kernel_row_results_do_not_depend_on_the_row_count(k):
     """Guards what greedy exactness rests on: a row's output is bit-identical whether the product has
-    one row (a decode step: the one-row stream path) or several (a verified tree: the row tiles), for
-    every row position in a tile and its remainder, with bias and a scalar tail (k = 20)."""
+    one row (a decode step) or several (a verified tree: the stream up to five rows, the row tiles
+    beyond), for every row position in a tile and its remainders, with bias and a scalar tail (k = 20)."""
     kernel = fused()
     torch.manual_seed(k)
     w, b = torch.randn(101, k).bfloat16(), torch.randn(101).bfloat16()
-    x = torch.randn(9, k).bfloat16()
-    for bias in (None, b):
-        alone = torch.cat([kernel.bf16_linear(x[i : i + 1], w, bias) for i in range(9)])
-        for rows in range(2, 10):
-            assert torch.equal(kernel.bf16_linear(x[:rows], w, bias), alone[:rows]), f"{rows} rows, bias {bias is not None}"
+    for dtype in (torch.bfloat16, torch.float32):  # fp32 output keeps differences bf16 rounding can hide
+        x = torch.randn(11, k).to(dtype)
+        for bias in (None, b):
+            alone = torch.cat([kernel.bf16_linear(x[i : i + 1], w, bias) for i in range(11)])
+            for rows in range(2, 12):
+                got = kernel.bf16_linear(x[:rows], w, bias)
+                assert torch.equal(got, alone[:rows]), f"{dtype}, {rows} rows, bias {bias is not None}"
 
 
 def test_fused_kernel_reads_non_contiguous_input_and_reuses_its_buffer():

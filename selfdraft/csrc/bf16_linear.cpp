@@ -28,8 +28,8 @@ inline void store(Out* y, float s, const float* bias, int64_t j) {
 // With `next` (the NT weight rows the following tile reads), those rows are prefetched a cache line
 // at a time as this tile streams its own: a product of a few rows is bound by memory, and the
 // hardware prefetcher alone, following NT interleaved row streams, left it at ~70% of the bandwidth
-// a plain sum reaches here (docs/perf_log.md, twelfth session). Products of one to three rows do
-// better still as one stream (features_stream below); the tiles serve four rows and more.
+// a plain sum reaches here (docs/perf_log.md, twelfth session). Products of one to five rows do
+// better still as one stream (features_stream below); the tiles serve six rows and more.
 template <int MT, int NT, typename Out>
 inline void tile(const float* x, int64_t k, const uint16_t* w, Out* y, int64_t ldy, const float* bias, int64_t j,
                  const uint16_t* next = nullptr) {
@@ -67,7 +67,11 @@ void feature_block(const float* x, int64_t m, const uint16_t* w, int64_t n0, int
     const uint16_t* next = j + 2 * NT <= n1 ? w + (j + NT) * k : nullptr;
     int64_t i = 0;
     for (; i + MT <= m; i += MT) tile<MT, NT>(x + i * k, k, w + j * k, y + i * n + j, n, bias, j, i == 0 ? next : nullptr);
-    if (m - i == 2) {  // two rows left share each weight row read
+    if (MT > 3 && m - i == 3) {  // the rows left share each weight row read
+      tile<3, NT>(x + i * k, k, w + j * k, y + i * n + j, n, bias, j);
+      i += 3;
+    }
+    if (m - i == 2) {
       tile<2, NT>(x + i * k, k, w + j * k, y + i * n + j, n, bias, j);
       i += 2;
     }
@@ -77,38 +81,48 @@ void feature_block(const float* x, int64_t m, const uint16_t* w, int64_t n0, int
     for (int64_t i = 0; i < m; ++i) tile<1, 1>(x + i * k, k, w + j * k, y + i * n + j, n, bias, j);
 }
 
-// One to three input rows: the weight rows one after another, so each thread reads its share of
-// the weight as one contiguous stream, prefetched kStreamAhead bytes ahead at every load. The 1 x 8,
-// 2 x 6 and 3 x 4 tiles read eight, six or four rows side by side (streams 1152 bytes apart for
-// SmolLM2); on the AVX2 EPYC a decode step's products streamed ~1.25x (one row), ~1.2x (two) and
-// ~1.08x (three) faster this way (docs/perf_log.md, fourteenth session). Each output's sum runs in
-// the same order as in tile() (one accumulator over k, then hsum, then the tail), so a row's result
-// does not depend on how many rows the product has.
+// One to five input rows as one stream: the weight rows one after another, so each thread reads
+// its share of the weight as one contiguous stream, prefetched kStreamAhead bytes ahead at every
+// load, and every input row uses each weight vector as it arrives. The 1 x 8, 2 x 6 and 3 x 4 tiles
+// read eight, six or four rows side by side (streams 1152 bytes apart for SmolLM2); on the AVX2 EPYC
+// a decode step's products streamed ~1.25x (one row), ~1.2x (two) and ~1.08x (three) faster this
+// way (docs/perf_log.md, fourteenth session), four and five rows 1.25x and 1.06-1.12x against the
+// 3 x 4 tiles (sixteenth session). With more rows the single accumulator per row leaves too few
+// independent sums per weight load, and the 4 x 3 tiles win. Each output's sum runs in the same
+// order as in tile() (one accumulator over k, then hsum, then the tail), so a row's result does not
+// depend on how many rows the product has.
 constexpr int64_t kStreamAhead = 2048;
 
+// MT input rows (1 to 5) against weight row wr: y[i * n] = dot(x[i, :], wr) for output feature j.
 // (The accumulators are named variables: as an array, GCC kept them on the stack in the bf16 output
 // instantiation, a store and a reload per step, which made two-row products 1.6x slower.)
 template <int MT, typename Out>
+inline void stream_rows(const float* x, const uint16_t* wr, int64_t k, Out* y, int64_t n, const float* bias, int64_t j) {
+  static_assert(MT >= 1 && MT <= 5, "one to five input rows");
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0;
+  int64_t t = 0;
+  for (; t + 8 <= k; t += 8) {
+    _mm_prefetch(reinterpret_cast<const char*>(wr + t) + kStreamAhead, _MM_HINT_T0);  // never faults
+    const __m256 wv = load_bf16x8(wr + t);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + t), wv, a0);
+    if constexpr (MT >= 2) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + t), wv, a1);
+    if constexpr (MT >= 3) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 2 * k + t), wv, a2);
+    if constexpr (MT >= 4) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 3 * k + t), wv, a3);
+    if constexpr (MT == 5) a4 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 4 * k + t), wv, a4);
+  }
+  const __m256 acc[5] = {a0, a1, a2, a3, a4};
+  for (int i = 0; i < MT; ++i) {
+    float s = hsum(acc[i]);
+    for (int64_t r = t; r < k; ++r) s += x[i * k + r] * bf16_to_float(wr[r]);
+    store(y + i * n, s, bias, j);
+  }
+}
+
+// Output features [n0, n1) for MT input rows, one weight row after another.
+template <int MT, typename Out>
 void features_stream(const float* x, const uint16_t* w, int64_t n0, int64_t n1, int64_t k, Out* y, int64_t n,
                      const float* bias) {
-  static_assert(MT >= 1 && MT <= 3, "one to three input rows");
-  for (int64_t j = n0; j < n1; ++j) {
-    const uint16_t* wr = w + j * k;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= k; t += 8) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + t) + kStreamAhead, _MM_HINT_T0);  // never faults
-      const __m256 wv = load_bf16x8(wr + t);
-      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + t), wv, acc0);
-      if constexpr (MT >= 2) acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + t), wv, acc1);
-      if constexpr (MT == 3) acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 2 * k + t), wv, acc2);
-    }
-    for (int i = 0; i < MT; ++i) {
-      float s = hsum(i == 0 ? acc0 : i == 1 ? acc1 : acc2);
-      for (int64_t r = t; r < k; ++r) s += x[i * k + r] * bf16_to_float(wr[r]);
-      store(y + i * n + j, s, bias, j);
-    }
-  }
+  for (int64_t j = n0; j < n1; ++j) stream_rows<MT>(x, w + j * k, k, y + j, n, bias, j);
 }
 
 constexpr int64_t kFeaturesPerTask = 48;  // a multiple of every NT below
@@ -117,14 +131,15 @@ constexpr int64_t kFeaturesPerTask = 48;  // a multiple of every NT below
 template <typename Out>
 void features(const float* x, int64_t m, const uint16_t* w, int64_t n0, int64_t n1, int64_t k, Out* y, int64_t n,
               const float* bias) {
-  if (m == 1)
-    features_stream<1>(x, w, n0, n1, k, y, n, bias);
-  else if (m == 2)
-    features_stream<2>(x, w, n0, n1, k, y, n, bias);
-  else if (m == 3)
-    features_stream<3>(x, w, n0, n1, k, y, n, bias);
-  else  // 3-row tiles, then 2 or 1 rows (1.06-1.20x the 2 x 6 tiles for 4-11 rows)
-    feature_block<3, 4>(x, m, w, n0, n1, k, y, n, bias);
+  switch (m) {
+    case 1: return features_stream<1>(x, w, n0, n1, k, y, n, bias);
+    case 2: return features_stream<2>(x, w, n0, n1, k, y, n, bias);
+    case 3: return features_stream<3>(x, w, n0, n1, k, y, n, bias);
+    case 4: return features_stream<4>(x, w, n0, n1, k, y, n, bias);
+    case 5: return features_stream<5>(x, w, n0, n1, k, y, n, bias);
+    default:  // 4-row tiles, then 3, 2 or 1 rows (1.07-1.21x the 3 x 4 tiles for 6-8 and 16 rows)
+      return feature_block<4, 3>(x, m, w, n0, n1, k, y, n, bias);
+  }
 }
 
 // One product of the same input rows: weight (n, k), output rows of n, fp32 bias or null.
