@@ -32,6 +32,13 @@ with :meth:`SpeculationGate.record_shadow`. A run of rejected first matches then
 a drafter off once the text turns to copying: the evidence arrives without paying for a verification.
 For a deterministic draft the score is exact in distribution at any temperature (a one-hot draft
 token is accepted with probability p(x), the chance that the target's own sample is x).
+
+Steps can also come in *kinds* that the drafter tells apart for free before it proposes
+(``Drafter.gate_kind``): a trained head merged with prompt lookup drafts a short head tree on most
+steps and a long copied span where the context repeats itself, two modes with different costs and
+acceptance. The gate keeps a drafting estimate per kind and decides per kind, against one shared
+plain-step time: the copied spans keep being verified where the head alone does not pay, and one
+kind's losing streak does not switch the other off.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ WARMUP = 2
 
 @dataclass
 class _Stats:
-    """What the gate knows at one batch size."""
+    """What the gate knows about drafting at one batch size and kind."""
 
     weight: float = 0.0
     """Decayed count of drafting steps behind the tokens estimate."""
@@ -70,14 +77,7 @@ class _Stats:
     """Decayed sum of their squares."""
     spec_s: float | None = None
     """Moving average of a drafting step's seconds."""
-    plain_s: float | None = None
-    """Moving average of a plain step's seconds."""
     spec_steps: int = 0
-    plain_steps: int = 0
-    steps: int = 0
-    """Decisions taken (speculate() calls)."""
-    last_plain: int = 0
-    """Decision index of the last plain step."""
 
     def add_tokens(self, per_row: float) -> None:
         """One drafting step's (or one scored shadow draft's) tokens committed per row."""
@@ -95,6 +95,19 @@ class _Stats:
         mean = self.tokens / self.weight
         var = max(self.tokens_sq / self.weight - mean * mean, MIN_STD * MIN_STD)
         return mean, math.sqrt(var)
+
+
+@dataclass
+class _Plain:
+    """What the gate knows about plain steps at one batch size (shared by every kind)."""
+
+    plain_s: float | None = None
+    """Moving average of a plain step's seconds."""
+    plain_steps: int = 0
+    steps: int = 0
+    """Decisions taken at this batch size (speculate() calls, all kinds)."""
+    last_plain: int = 0
+    """Decision index of the last plain step."""
 
 
 def shadow_accepted(children: Sequence[Sequence[int]], tokens: Sequence[int], continuation: Sequence[int]) -> int | None:
@@ -149,75 +162,81 @@ def _average(old: float | None, new: float, count: int) -> float:
 
 
 class SpeculationGate:
-    """Online on/off switch for speculation, per batch size (the number of rows in a step).
+    """Online on/off switch for speculation, per batch size (the number of rows in a step) and kind.
 
-    ``speculate(rows)`` says whether the next step drafts; ``record(rows, speculative, tokens, seconds)``
-    reports what the step did (``speculative``: whether a draft tree was verified; a drafter with
-    nothing to propose makes a plain step). The first ``WARMUP`` steps at a batch size draft, the next
-    ``WARMUP`` are plain; from then on drafting runs while the optimistic drafting rate
-    (mean committed tokens plus ``CONFIDENCE`` standard errors, over the drafting step time) is at
-    least the plain rate. Greedy output does not depend on the gate; only speed does.
+    ``speculate(rows, kind)`` says whether the next step drafts; ``record(rows, speculative, tokens,
+    seconds, kind)`` reports what the step did (``speculative``: whether a draft tree was verified; a
+    drafter with nothing to propose makes a plain step). ``kind`` (any hashable, None by default)
+    separates steps the drafter tells apart before proposing (``Drafter.gate_kind``). The first
+    ``WARMUP`` steps of a kind draft, the first ``WARMUP`` plain steps at a batch size follow; from
+    then on a kind drafts while its optimistic drafting rate (mean committed tokens plus
+    ``CONFIDENCE`` standard errors, over its drafting step time) is at least the plain rate, and one
+    step in ``probe_every`` runs plain to keep the plain time current. Greedy output does not depend
+    on the gate; only speed does.
     """
 
     def __init__(self, probe_every: int = 64):
         if probe_every < 2:
             raise ValueError(f"probe_every must be >= 2, got {probe_every}")
         self.probe_every = probe_every
-        self.stats: dict[int, _Stats] = {}
+        self.stats: dict[tuple[int, object], _Stats] = {}
+        """(batch size, kind) -> drafting estimate."""
+        self.plain: dict[int, _Plain] = {}
+        """batch size -> plain-step estimate."""
 
-    def _at(self, rows: int) -> _Stats:
-        return self.stats.setdefault(rows, _Stats())
+    def _at(self, rows: int, kind: object) -> tuple[_Stats, _Plain]:
+        return self.stats.setdefault((rows, kind), _Stats()), self.plain.setdefault(rows, _Plain())
 
-    def rate(self, rows: int, speculative: bool) -> float | None:
+    def rate(self, rows: int, speculative: bool, kind: object = None) -> float | None:
         """Measured tokens per second of one mode at one batch size (None: not measured yet)."""
-        s = self.stats.get(rows)
-        if s is None:
-            return None
         if not speculative:
-            return None if s.plain_s is None else rows / max(s.plain_s, 1e-9)
-        if s.spec_s is None or s.weight <= 0:
+            p = self.plain.get(rows)
+            return None if p is None or p.plain_s is None else rows / max(p.plain_s, 1e-9)
+        s = self.stats.get((rows, kind))
+        if s is None or s.spec_s is None or s.weight <= 0:
             return None
         return rows * (s.tokens / s.weight) / max(s.spec_s, 1e-9)
 
-    def optimistic_rate(self, rows: int) -> float | None:
+    def optimistic_rate(self, rows: int, kind: object = None) -> float | None:
         """The drafting rate with the tokens estimate raised by its error bar (None: not measured)."""
-        s = self.stats.get(rows)
+        s = self.stats.get((rows, kind))
         if s is None or s.spec_s is None or s.weight <= 0:
             return None
         mean, std = s.mean_std()
         return rows * (mean + CONFIDENCE * std / math.sqrt(s.weight)) / max(s.spec_s, 1e-9)
 
-    def speculate(self, rows: int) -> bool:
-        """Whether the next step with ``rows`` rows should draft."""
-        s = self._at(rows)
-        s.steps += 1
+    def speculate(self, rows: int, kind: object = None) -> bool:
+        """Whether the next step with ``rows`` rows (of ``kind``) should draft."""
+        s, p = self._at(rows, kind)
+        p.steps += 1
         if s.spec_steps < WARMUP:
             return True
-        if s.plain_steps < WARMUP:
+        if p.plain_steps < WARMUP:
             return False
-        if s.steps - s.last_plain >= self.probe_every:
+        if p.steps - p.last_plain >= self.probe_every:
             return False  # re-measure the plain step time
-        optimistic, plain = self.optimistic_rate(rows), self.rate(rows, False)
+        optimistic, plain = self.optimistic_rate(rows, kind), self.rate(rows, False)
         return optimistic is None or plain is None or optimistic >= plain
 
-    def record(self, rows: int, speculative: bool, tokens: int, seconds: float) -> None:
+    def record(self, rows: int, speculative: bool, tokens: int, seconds: float, kind: object = None) -> None:
         """One step's outcome: ``tokens`` committed over all rows in ``seconds``."""
-        s = self._at(rows)
+        s, p = self._at(rows, kind)
         if speculative:
             s.add_tokens(tokens / rows)
             s.spec_steps += 1
             s.spec_s = _average(s.spec_s, seconds, s.spec_steps)
         else:
             s.age()
-            s.plain_steps += 1
-            s.plain_s = _average(s.plain_s, seconds, s.plain_steps)
-            s.last_plain = s.steps
+            p.plain_steps += 1
+            p.plain_s = _average(p.plain_s, seconds, p.plain_steps)
+            p.last_plain = p.steps
 
-    def record_shadow(self, rows: int, tokens: float) -> None:
+    def record_shadow(self, rows: int, tokens: float, kind: object = None) -> None:
         """A draft scored in the shadow of plain steps: ``tokens`` a drafting step would have committed
         per row (1 + the accepted depth). Feeds the tokens estimate only: no step ran, so no time."""
-        self._at(rows).add_tokens(tokens)
+        self._at(rows, kind)[0].add_tokens(tokens)
 
-    def speeds(self) -> dict[int, tuple[float | None, float | None]]:
-        """Batch size -> (speculative, plain) tokens per second measured so far."""
-        return {r: (self.rate(r, True), self.rate(r, False)) for r in sorted(self.stats)}
+    def speeds(self, kind: object = None) -> dict[int, tuple[float | None, float | None]]:
+        """Batch size -> (speculative, plain) tokens per second measured so far for ``kind``."""
+        rows = sorted({r for r, k in self.stats if k == kind})
+        return {r: (self.rate(r, True, kind), self.rate(r, False)) for r in rows}

@@ -167,6 +167,9 @@ def generate(
     gate = SpeculationGate(cfg.probe_every) if cfg.auto_off and drafter is not None else None
     shadow_free = gate is not None and getattr(drafter, "proposes_for_free", False)
     shadow: ShadowDraft | None = None
+    shadow_kind = None
+    gate_kind = getattr(drafter, "gate_kind", None) if gate is not None else None
+    shadow_draft = getattr(drafter, "shadow_draft", None) if gate is not None else None
     stats = GenerationStats()
     out = GenerationOutput(tokens=[], sources=[], stop_reason="max_new_tokens", stats=stats)
     if budget == 0:
@@ -203,13 +206,18 @@ def generate(
     while not done:
         prefix = cache.length
         root = committed[-1]
-        # 1. draft (unless the gate measured plain steps faster)
+        # 1. draft (unless the gate measured plain steps faster for this kind of step)
         t0 = time.perf_counter()
-        if drafter is None or (gate is not None and not gate.speculate(1)):
+        kind = gate_kind(torch.tensor(committed), cfg.sampling) if gate_kind is not None else None
+        if drafter is None or (gate is not None and not gate.speculate(1, kind)):
             draft = root_only(root)
-            if shadow_free and shadow is None:  # draft in the shadow: scored once the target has decoded on
-                candidate = drafter.propose(torch.tensor(committed), cfg.sampling, None)  # draws nothing
-                shadow = ShadowDraft.of(fit_draft(candidate, budget - len(out.tokens)), len(committed))
+            if shadow is None and (shadow_free or shadow_draft is not None):  # draft in the shadow: scored
+                # once the target has decoded on (the whole draft of a free drafter, else its free part)
+                context = torch.tensor(committed)
+                candidate = drafter.propose(context, cfg.sampling, None) if shadow_free else shadow_draft(context, cfg.sampling)
+                if candidate is not None:  # drew nothing, changed no state
+                    shadow = ShadowDraft.of(fit_draft(candidate, budget - len(out.tokens)), len(committed))
+                    shadow_kind = kind
         else:
             shadow = None  # a verified draft measures the drafter itself
             draft = drafter.propose(torch.tensor(committed), cfg.sampling, generator)
@@ -229,12 +237,12 @@ def generate(
         last = "target" if draft.tree.size == 1 else ("bonus" if leaf else "correction")
         stats.record_step(draft.tree.max_depth, acc.num_accepted, t1 - t0, t2 - t1)
         if gate is not None:
-            gate.record(1, draft.tree.size > 1, 1 + acc.num_accepted, time.perf_counter() - t0)
+            gate.record(1, draft.tree.size > 1, 1 + acc.num_accepted, time.perf_counter() - t0, kind)
         done = emit(accepted + [acc.next_token], ["draft"] * len(accepted) + [last])
         if shadow is not None:
             score = shadow.score(committed)
             if score is not None:
-                gate.record_shadow(1, score)
+                gate.record_shadow(1, score, shadow_kind)
                 shadow = None
         if drafter is not None and not done:
             hidden = None

@@ -418,8 +418,33 @@ def test_speculation_gate_probe_that_drafted_nothing_counts_as_plain():
     # lookup-like: a match on every third step, accepting 4 tokens at 1.3x a plain step's cost
     decisions = drive_gate(gate, 300, lambda step, spec: ((5, 1.3) if step % 3 == 0 else None) if spec else (1, 1.0))
     assert sum(decisions[30:]) / len(decisions[30:]) > 0.9, decisions
-    mean, _ = gate.stats[1].mean_std()
+    mean, _ = gate.stats[(1, None)].mean_std()
     assert mean == pytest.approx(5.0), mean
+
+
+def test_speculation_gate_decides_per_kind_against_one_plain_time():
+    """Guards the per-kind gate (a head merged with prompt lookup): steps where lookup has a match pay
+    (5 tokens for 1.5 plain steps' time), the head-only steps lose (1 token for 1.3); the gate must
+    keep drafting the first kind and mostly stop the second, where one estimate for both (kind None)
+    would average them. Plain time is measured once for both kinds."""
+    gate = SpeculationGate(probe_every=16)
+
+    def kind_of(step):
+        return "match" if step % 5 == 0 else "head"
+
+    decisions = {"match": [], "head": []}
+    for step in range(600):
+        kind = kind_of(step)
+        spec = gate.speculate(1, kind)
+        decisions[kind].append(spec)
+        tokens, seconds = ((5, 1.5) if kind == "match" else (1, 1.3)) if spec else (1, 1.0)
+        gate.record(1, spec, tokens, seconds, kind)
+    match, head = decisions["match"][20:], decisions["head"][80:]
+    assert sum(match) / len(match) > 0.85, f"copied spans drafted on {sum(match)} of {len(match)} steps"
+    assert sum(head) / len(head) < 0.2, f"the losing head drafted on {sum(head)} of {len(head)} steps"
+    assert gate.plain[1].plain_steps == sum(not d for ds in decisions.values() for d in ds)
+    assert gate.speeds("match")[1] == pytest.approx((5 / 1.5, 1.0), rel=0.05)
+    assert gate.speeds("head")[1][1] == pytest.approx(1.0) and gate.speeds() == {}
 
 
 def test_speculation_gate_ignores_a_slow_first_step():

@@ -195,11 +195,11 @@ def test_shadow_drafts_score_what_verification_accepts(models, monkeypatch):
     def run(always: bool):
         proposed, scores = [], []
         drafter = log_proposals(PromptLookupDrafter(), proposed)
-        monkeypatch.setattr(gate_module.SpeculationGate, "speculate", lambda self, rows: always)
+        monkeypatch.setattr(gate_module.SpeculationGate, "speculate", lambda self, rows, kind=None: always)
         real_record = gate_module.SpeculationGate.record
-        monkeypatch.setattr(gate_module.SpeculationGate, "record", lambda self, rows, spec, tokens, s:
-                            (scores.append(tokens) if spec else None, real_record(self, rows, spec, tokens, s)))
-        monkeypatch.setattr(gate_module.SpeculationGate, "record_shadow", lambda self, rows, tokens: scores.append(tokens))
+        monkeypatch.setattr(gate_module.SpeculationGate, "record", lambda self, rows, spec, tokens, s, kind=None:
+                            (scores.append(tokens) if spec else None, real_record(self, rows, spec, tokens, s, kind)))
+        monkeypatch.setattr(gate_module.SpeculationGate, "record_shadow", lambda self, rows, tokens, kind=None: scores.append(tokens))
         out = generate(model, prompt, drafter, cfg)
         assert out.tokens == ref
         return dict(zip(proposed, scores))  # committed length at the draft's root -> tokens committed

@@ -8,10 +8,12 @@ from conftest import random_prompt
 from test_eagle3 import make_head
 
 from selfdraft.drafters import MergedDrafter, PromptLookupDrafter, merge_drafts
-from selfdraft.drafters.base import Draft
+from selfdraft.adapter import new_cache, tree_forward
+from selfdraft.drafters.base import Draft, StepResult
 from selfdraft.drafters.eagle import EagleDrafter
 from selfdraft.generate import GenerationConfig, generate
-from selfdraft.tree import tree_from_token_paths
+from selfdraft.sampling import SamplingConfig
+from selfdraft.tree import chain_tree, tree_from_token_paths
 
 
 def paths_of(draft: Draft) -> set[tuple[int, ...]]:
@@ -69,3 +71,52 @@ def test_head_spec_with_lookup_builds_a_merged_drafter(models, tmp_path):
     assert isinstance(drafter_factory("head", model, path=str(tmp_path / "head"))(), EagleDrafter)
     with pytest.raises(ValueError, match="lookup must be >= 0"):
         drafter_factory("head", model, path=str(tmp_path / "head"), lookup=-1)
+
+
+def test_merged_gate_kind_tells_lookup_matches_apart_and_reuses_their_drafts(models, monkeypatch):
+    """Guards MergedDrafter.gate_kind and shadow_draft: the kind says whether prompt lookup has a match,
+    the draft proposed after it is the one proposed without it (the lookup draft is reused, not
+    changed), the shadow draft is prompt lookup's own, and decoding with the per-kind gate (auto_off)
+    stays equal to plain greedy, with shadow scores reported under the match kind while it is off."""
+    from selfdraft import gate as gate_module
+
+    model = models["llama"]
+    head = make_head(model, scale=20.0)
+    greedy = SamplingConfig()
+
+    def merged():
+        return MergedDrafter([EagleDrafter(head, depth=2, top_k=2, total_tokens=3), PromptLookupDrafter()])
+
+    assert MergedDrafter([PromptLookupDrafter()]).gate_kind(torch.tensor([1, 2, 3, 1, 2]), greedy) is None  # all free
+    base = random_prompt(12, 3)
+    kinds = []
+    for i, prompt in enumerate((base + base, list(range(5, 35)))):  # a repeat; no repeated n-gram
+        seq = torch.tensor(prompt)
+        ref_drafter, kind_drafter = merged(), merged()
+        with torch.inference_mode():
+            for d in (ref_drafter, kind_drafter):
+                fwd = tree_forward(model, new_cache(model, seq.numel() + 8), seq[None], chain_tree(seq.numel() - 1),
+                                   d.hidden_layers, True)
+                d.reset(StepResult(seq, 0, fwd.hidden_states))
+            kinds.append(kind_drafter.gate_kind(seq, greedy))
+            shadow = kind_drafter.shadow_draft(seq, greedy)
+            want, got = ref_drafter.propose(seq, greedy, None), kind_drafter.propose(seq, greedy, None)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.tree.parents, want.tree.parents), f"prompt {i}"
+        lookup = PromptLookupDrafter().propose(seq, greedy, None)
+        if lookup.tree.size > 1:
+            assert torch.equal(shadow.tokens, lookup.tokens) and torch.equal(shadow.tree.parents, lookup.tree.parents)
+        else:
+            assert shadow is None
+        ref = generate(model, prompt, None, GenerationConfig(max_new_tokens=24)).tokens
+        gated = generate(model, prompt, merged(), GenerationConfig(max_new_tokens=24, auto_off=True, probe_every=3))
+        assert gated.tokens == ref, f"prompt {i}"
+    assert kinds == [(True,), (False,)], kinds
+    # the gate held off: plain steps only, the lookup part scored in the shadow under its kind
+    shadows = []
+    monkeypatch.setattr(gate_module.SpeculationGate, "speculate", lambda self, rows, kind=None: False)
+    monkeypatch.setattr(gate_module.SpeculationGate, "record_shadow", lambda self, rows, tokens, kind=None: shadows.append((kind, tokens)))
+    prompt = base + base
+    out = generate(model, prompt, merged(), GenerationConfig(max_new_tokens=24, auto_off=True))
+    assert out.tokens == generate(model, prompt, None, GenerationConfig(max_new_tokens=24)).tokens
+    assert shadows and all(kind == (True,) and tokens >= 1 for kind, tokens in shadows), shadows
+    assert out.stats.accepted == 0  # nothing was verified

@@ -64,6 +64,13 @@ class Drafter(Protocol):
     speculation gate runs plain steps, the loop then keeps proposing and scores the drafts against
     what the target commits (:func:`selfdraft.gate.shadow_accepted`). Optional; absent means False."""
 
+    # Optional: ``gate_kind(tokens, sampling) -> Hashable``, a classification of the coming draft
+    # computed without a model forward (a merged drafter: whether its prompt-lookup member found a
+    # match). The speculation gate then decides per kind (selfdraft.gate); absent means one kind.
+    # Optional: ``shadow_draft(tokens, sampling) -> Draft | None``, the part of the next draft that
+    # costs no model forward and changes no state (a merged drafter's prompt-lookup member), scored in
+    # the shadow of plain steps as a whole free drafter's proposal is (``proposes_for_free``).
+
     def reset(self, step: StepResult) -> None:
         """Start a new sequence after the target's prefill: step.tokens is the prompt plus the first
         generated token, step.hidden_states cover the prompt positions."""

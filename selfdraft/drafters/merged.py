@@ -6,6 +6,14 @@ the acceptance rule keeps the longest agreeing path. A trained head guesses the 
 lookup copies spans of the context: they miss on different tokens, and the merged tree keeps both.
 Every member is told each step's outcome, so each keeps (and rolls back) its own state.
 
+The speculation gate sees two kinds of steps (``gate_kind``): those where a member that proposes
+for free (prompt lookup) has a draft, and the rest, where only the paid members (the head) would
+draft. They differ in cost and acceptance, so the gate decides for each on its own: a copied span is
+verified even where the head alone does not pay. The free members' drafts computed for the kind are
+kept for the ``propose`` that follows, not computed twice, and while the gate runs plain steps they
+are scored in the shadow (``shadow_draft``), as prompt lookup alone is: a few wrong matches early in
+a reply then do not keep the copied spans unverified once the reply turns to copying.
+
 Members must draft deterministically (``Draft.q is None``: children are a function of the context),
 which keeps sampling lossless for the merged tree as for each member; a member that draws its
 children at random cannot be merged, because its q would not describe the merged siblings.
@@ -59,14 +67,44 @@ class MergedDrafter:
         self.drafters = list(drafters)
         self.hidden_layers = tuple(dict.fromkeys(i for d in self.drafters for i in d.hidden_layers))
         self.proposes_for_free = all(getattr(d, "proposes_for_free", False) for d in self.drafters)
+        self._free = [i for i, d in enumerate(self.drafters) if getattr(d, "proposes_for_free", False)]
+        self._pending: tuple[int, dict[int, Draft]] | None = None
+        """(sequence length, member index -> draft) of the free members' drafts from gate_kind."""
+
+    def _pending_for(self, tokens: Tensor) -> dict[int, Draft]:
+        """The free members' drafts gate_kind computed for this sequence length (else none)."""
+        return self._pending[1] if self._pending is not None and self._pending[0] == tokens.numel() else {}
+
+    def gate_kind(self, tokens: Tensor, sampling: SamplingConfig) -> tuple[bool, ...] | None:
+        """Whether each member that proposes for free has a draft for ``tokens`` (None: no such member,
+        or every member is free and the gate can shadow the whole drafter)."""
+        if not self._free or self.proposes_for_free:
+            return None
+        drafts = {i: self.drafters[i].propose(tokens, sampling, None) for i in self._free}  # they draw nothing
+        self._pending = (tokens.numel(), drafts)
+        return tuple(drafts[i].tree.size > 1 for i in self._free)
+
+    def shadow_draft(self, tokens: Tensor, sampling: SamplingConfig) -> Draft | None:
+        """The free members' merged draft for ``tokens`` (no model forward, no state change): what the
+        decode loop scores in the shadow of a plain step; a lower bound on what the whole tree would
+        have committed. None when no free member has a draft."""
+        if not self._free:
+            return None
+        pending = self._pending_for(tokens)
+        drafts = [pending[i] if i in pending else self.drafters[i].propose(tokens, sampling, None) for i in self._free]
+        drafts = [d for d in drafts if d.tree.size > 1]
+        return merge_drafts(drafts) if drafts else None
 
     def reset(self, step: StepResult) -> None:
+        self._pending = None
         for d in self.drafters:
             d.reset(step)
 
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        return merge_drafts([d.propose(tokens, sampling, generator) for d in self.drafters])
+        pending, self._pending = self._pending_for(tokens), None
+        return merge_drafts([pending[i] if i in pending else d.propose(tokens, sampling, generator) for i, d in enumerate(self.drafters)])
 
     def update(self, step: StepResult) -> None:
+        self._pending = None
         for d in self.drafters:
             d.update(step)
