@@ -208,19 +208,19 @@ def generate(
         root = committed[-1]
         # 1. draft (unless the gate measured plain steps faster for this kind of step)
         t0 = time.perf_counter()
-        kind = gate_kind(torch.tensor(committed), cfg.sampling) if gate_kind is not None else None
+        context = torch.tensor(committed) if drafter is not None else None
+        kind = gate_kind(context, cfg.sampling) if gate_kind is not None else None
         if drafter is None or (gate is not None and not gate.speculate(1, kind)):
             draft = root_only(root)
             if shadow is None and (shadow_free or shadow_draft is not None):  # draft in the shadow: scored
                 # once the target has decoded on (the whole draft of a free drafter, else its free part)
-                context = torch.tensor(committed)
                 candidate = drafter.propose(context, cfg.sampling, None) if shadow_free else shadow_draft(context, cfg.sampling)
                 if candidate is not None:  # drew nothing, changed no state
                     shadow = ShadowDraft.of(fit_draft(candidate, budget - len(out.tokens)), len(committed))
                     shadow_kind = kind
         else:
             shadow = None  # a verified draft measures the drafter itself
-            draft = drafter.propose(torch.tensor(committed), cfg.sampling, generator)
+            draft = drafter.propose(context, cfg.sampling, generator)
             if int(draft.tokens[0]) != root:
                 raise RuntimeError(f"drafter returned a tree rooted at {int(draft.tokens[0])}, expected {root}")
             draft = fit_draft(draft, budget - len(out.tokens))

@@ -69,30 +69,28 @@ class MergedDrafter:
         self.proposes_for_free = all(getattr(d, "proposes_for_free", False) for d in self.drafters)
         self._free = [i for i, d in enumerate(self.drafters) if getattr(d, "proposes_for_free", False)]
         self._pending: tuple[int, dict[int, Draft]] | None = None
-        """(sequence length, member index -> draft) of the free members' drafts from gate_kind."""
+        """(sequence length, member index -> draft): the free members' drafts of the current step."""
 
-    def _pending_for(self, tokens: Tensor) -> dict[int, Draft]:
-        """The free members' drafts gate_kind computed for this sequence length (else none)."""
-        return self._pending[1] if self._pending is not None and self._pending[0] == tokens.numel() else {}
+    def _free_drafts(self, tokens: Tensor, sampling: SamplingConfig) -> dict[int, Draft]:
+        """The free members' drafts for ``tokens`` (member index -> draft): the ones kept for this
+        sequence length since the last step, else proposed now and kept (free members draw nothing)."""
+        if self._pending is None or self._pending[0] != tokens.numel():
+            self._pending = (tokens.numel(), {i: self.drafters[i].propose(tokens, sampling, None) for i in self._free})
+        return self._pending[1]
 
     def gate_kind(self, tokens: Tensor, sampling: SamplingConfig) -> tuple[bool, ...] | None:
         """Whether each member that proposes for free has a draft for ``tokens`` (None: no such member,
         or every member is free and the gate can shadow the whole drafter)."""
         if not self._free or self.proposes_for_free:
             return None
-        drafts = {i: self.drafters[i].propose(tokens, sampling, None) for i in self._free}  # they draw nothing
-        self._pending = (tokens.numel(), drafts)
+        drafts = self._free_drafts(tokens, sampling)
         return tuple(drafts[i].tree.size > 1 for i in self._free)
 
     def shadow_draft(self, tokens: Tensor, sampling: SamplingConfig) -> Draft | None:
         """The free members' merged draft for ``tokens`` (no model forward, no state change): what the
         decode loop scores in the shadow of a plain step; a lower bound on what the whole tree would
         have committed. None when no free member has a draft."""
-        if not self._free:
-            return None
-        pending = self._pending_for(tokens)
-        drafts = [pending[i] if i in pending else self.drafters[i].propose(tokens, sampling, None) for i in self._free]
-        drafts = [d for d in drafts if d.tree.size > 1]
+        drafts = [d for d in self._free_drafts(tokens, sampling).values() if d.tree.size > 1]
         return merge_drafts(drafts) if drafts else None
 
     def reset(self, step: StepResult) -> None:
@@ -101,8 +99,9 @@ class MergedDrafter:
             d.reset(step)
 
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        pending, self._pending = self._pending_for(tokens), None
-        return merge_drafts([pending[i] if i in pending else d.propose(tokens, sampling, generator) for i, d in enumerate(self.drafters)])
+        free = self._free_drafts(tokens, sampling)
+        self._pending = None
+        return merge_drafts([free[i] if i in free else d.propose(tokens, sampling, generator) for i, d in enumerate(self.drafters)])
 
     def update(self, step: StepResult) -> None:
         self._pending = None
