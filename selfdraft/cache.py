@@ -36,13 +36,18 @@ class PreallocatedLayer(CacheLayerMixin):
         )
         self.is_initialized = True
 
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` more positions after ``length`` (an initialized layer; for writers that fill
+        the buffers themselves)."""
+        if self.length + n > self.max_len:
+            self._grow(max(self.length + n, 2 * self.max_len))
+
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
+        self.reserve(n)
         end = self.length + n
-        if end > self.max_len:
-            self._grow(max(end, 2 * self.max_len))
         self.keys[:, :, self.length : end] = key_states
         self.values[:, :, self.length : end] = value_states
         self.length = end
@@ -106,6 +111,11 @@ class SpecCache(Cache):
 
     def compact(self, start: int, keep: Tensor) -> None:
         """After verifying a tree written at ``start``: keep the nodes ``keep`` (k,) (sorted, root first)."""
+        k = keep.numel()
+        if k and int(keep[-1]) == k - 1:  # sorted and distinct, so keep is 0 .. k-1: already in place
+            for layer in self.layers:
+                layer.length = start + k
+            return
         for layer in self.layers:
             layer.compact(start, keep)
 

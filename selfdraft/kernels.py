@@ -73,7 +73,9 @@ bf16 SDPA), 9 queries 0.22 vs 0.27 ms, 48 queries 1.03 vs 0.71 ms; a 48-row deco
 positions 2.3 vs 23 ms per layer."""
 ATTENTION_NAME = "selfdraft_bf16"
 """Name the fused attention is registered under in Hugging Face's attention interface."""
-KERNEL_SOURCES = ("bindings.cpp", "bf16_linear.cpp", "bf16_attention.cpp", "bf16_rms_norm.cpp", "bf16_rope.cpp")
+KERNEL_SOURCES = (
+    "bindings.cpp", "bf16_linear.cpp", "bf16_attention.cpp", "bf16_rms_norm.cpp", "bf16_rope.cpp", "bf16_decoder.cpp"
+)
 """Sources of the kernel module under selfdraft/csrc (kernels.h holds what they share)."""
 BLOCK_ROWS = 2048
 """Weight rows converted per block: a decoder layer's projections fit in one (2048 x 576 fp32 is 4.7 MB,

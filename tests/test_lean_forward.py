@@ -107,6 +107,33 @@ def test_lean_forward_is_bit_identical_to_the_hf_forward(monkeypatch, arch):
         assert_same(hf, lean_out)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_lean_forward_allocates_and_grows_the_cache_itself(monkeypatch, arch):
+    """The decoder-stack kernel writes the cache buffers directly: a short prompt's first forward (lean,
+    on a cache not yet allocated) and steps past the initial allocation of 4 positions give the same
+    logits and cache as the HF forward."""
+    kernel()
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    taken, real = [], adapter.lean_forward
+    monkeypatch.setattr(adapter, "lean_forward", lambda *a, **k: taken.append(1) or real(*a, **k))
+    runs = []
+    for on in ("0", "1"):
+        monkeypatch.setenv(lean.LEAN_ENV, on)
+        cache, logits = new_cache(model, 4), []
+        with torch.inference_mode():
+            for step, n in enumerate((6, 1, 4, 4)):
+                tokens = torch.tensor([random_prompt(n, step)])
+                logits.append(tree_forward(model, cache, tokens, chain_tree(n - 1)).logits)
+        runs.append((logits, cache))
+    (hf_logits, hf_cache), (lean_logits, lean_cache) = runs
+    assert len(taken) == 4  # every forward of the second run
+    assert all(torch.equal(a, b) for a, b in zip(hf_logits, lean_logits))
+    assert hf_cache.length == lean_cache.length == 15
+    for la, lb in zip(hf_cache.layers, lean_cache.layers):
+        assert torch.equal(la.keys[:, :, :15], lb.keys[:, :, :15])
+        assert torch.equal(la.values[:, :, :15], lb.values[:, :, :15])
+
+
 def test_lean_forward_declines_other_architectures():
     """Qwen3 (q/k norms in a layer the plan does not describe) keeps HF's forward."""
     k = kernel()

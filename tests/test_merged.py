@@ -7,8 +7,8 @@ import torch
 from conftest import random_prompt
 from test_eagle3 import make_head
 
-from selfdraft.drafters import MergedDrafter, PromptLookupDrafter, merge_drafts
 from selfdraft.adapter import new_cache, tree_forward
+from selfdraft.drafters import MergedDrafter, PromptLookupDrafter, merge_drafts
 from selfdraft.drafters.base import Draft, StepResult
 from selfdraft.drafters.eagle import EagleDrafter
 from selfdraft.generate import GenerationConfig, generate

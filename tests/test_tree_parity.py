@@ -41,11 +41,14 @@ def test_tree_logits_equal_path_logits(models, arch, seed):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_compacted_cache_equals_rerun(models, arch):
-    """Guards against compaction keeping the wrong KV entries or in the wrong order."""
+@pytest.mark.parametrize("leaf", [7, 6, 2, 0])
+def test_compacted_cache_equals_rerun(models, arch, leaf):
+    """Guards against compaction keeping the wrong KV entries or in the wrong order: paths with gaps
+    (root -> 1 -> 2 -> 5 -> 7, root -> 3 -> 6: entries move) and paths already in place (root -> 1 -> 2,
+    the root alone: only the length changes)."""
     model = models[arch]
     prompt = random_prompt(7, 3)
-    tree = tree_from_parents([-1, 0, 0, 1, 1, 2, 3, 5])
+    tree = tree_from_parents([-1, 0, 1, 0, 1, 2, 3, 5])
     tokens = torch.randint(3, VOCAB, (tree.size,), generator=torch.Generator().manual_seed(5))
     tokens[0] = prompt[-1]
     cache = new_cache(model, 32)
@@ -53,7 +56,7 @@ def test_compacted_cache_equals_rerun(models, arch):
         tree_forward(model, cache, torch.tensor([prompt[:-1]]), chain_tree(len(prompt) - 2))
         prefix = cache.length
         tree_forward(model, cache, tokens[None], tree)
-        keep = tree.path_to(6)  # root -> 1 -> 3 -> 6
+        keep = tree.path_to(leaf)
         cache.compact(prefix, keep)
         ref = new_cache(model, 32)
         accepted = prompt[:-1] + tokens[keep].tolist()

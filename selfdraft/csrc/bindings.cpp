@@ -19,4 +19,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_rope", &selfdraft::bf16_rope,
         "x * cos + rotate_half(x) * sin for bf16 x (B, n, H, D) and cos, sin (B or 1, n, D), rounded as eager bf16",
         pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"));
+  pybind11::class_<selfdraft::DecoderLayer>(m, "DecoderLayer", "one decoder layer's weights (see kernels.h)")
+      .def(pybind11::init<int64_t, const std::vector<c10::optional<at::Tensor>>&, const std::vector<double>&,
+                          const std::vector<bool>&, std::vector<at::Tensor>, std::vector<c10::optional<at::Tensor>>, at::Tensor,
+                          c10::optional<at::Tensor>, std::vector<at::Tensor>, std::vector<c10::optional<at::Tensor>>,
+                          at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t, int64_t, int64_t, double>(),
+           pybind11::arg("type"), pybind11::arg("norms"), pybind11::arg("eps"), pybind11::arg("unit_offset"),
+           pybind11::arg("qkv"), pybind11::arg("qkv_bias"), pybind11::arg("o"), pybind11::arg("o_bias"),
+           pybind11::arg("gate_up"), pybind11::arg("gate_up_bias"), pybind11::arg("down"), pybind11::arg("down_bias"),
+           pybind11::arg("act"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
+           pybind11::arg("scale"));
+  pybind11::class_<selfdraft::DecoderStack>(m, "DecoderStack", "a model's decoder layers run in one call")
+      .def(pybind11::init<std::vector<selfdraft::DecoderLayer>>(), pybind11::arg("layers"))
+      .def("forward", &selfdraft::DecoderStack::forward,
+           "run every layer over x (B, n, hidden); returns [output, inputs of the layers in record]",
+           pybind11::arg("x"), pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("start"),
+           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("masks"), pybind11::arg("record"));
 }

@@ -51,4 +51,49 @@ at::Tensor bf16_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
 // Rotary embedding of bf16 heads (batch, positions, heads, head_dim) with Hugging Face's eager roundings (bf16_rope.cpp).
 at::Tensor bf16_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
+// An RMSNorm's weight and convention (see bf16_rms_norm); an undefined weight means no norm.
+struct Norm {
+  at::Tensor weight;
+  double eps = 0.0;
+  bool unit_offset = false;
+};
+
+// One decoder layer's weights, gathered once (bf16_decoder.cpp). Llama: x += o(attn(norm_in(x)));
+// x += down(act(gate(h)) * up(h)), h = norm_mlp_in(x). Gemma-3 adds q/k norms over each head and a norm
+// of the attention output and of the MLP output before each sum. ``type`` indexes the forward's
+// rotary tables and masks (Gemma-3's sliding and full layers differ in both).
+struct DecoderLayer {
+  DecoderLayer(int64_t type, const std::vector<c10::optional<at::Tensor>>& norms, const std::vector<double>& eps,
+               const std::vector<bool>& unit_offset, std::vector<at::Tensor> qkv,
+               std::vector<c10::optional<at::Tensor>> qkv_bias, at::Tensor o, c10::optional<at::Tensor> o_bias,
+               std::vector<at::Tensor> gate_up, std::vector<c10::optional<at::Tensor>> gate_up_bias, at::Tensor down,
+               c10::optional<at::Tensor> down_bias, int64_t act, int64_t heads, int64_t kv_heads, int64_t head_dim,
+               double scale);
+  int64_t type;
+  Norm input_norm, q_norm, k_norm, attn_out_norm, mlp_norm, mlp_out_norm;
+  std::vector<at::Tensor> qkv;
+  std::vector<c10::optional<at::Tensor>> qkv_bias;
+  at::Tensor o;
+  c10::optional<at::Tensor> o_bias;
+  std::vector<at::Tensor> gate_up;
+  std::vector<c10::optional<at::Tensor>> gate_up_bias;
+  at::Tensor down;
+  c10::optional<at::Tensor> down_bias;
+  int64_t act;  // 0 silu, 1 gelu (tanh approximation)
+  int64_t heads, kv_heads, head_dim;
+  double scale;
+};
+
+// The decoder layers of one model, run over (batch, n) new positions in one call (bf16_decoder.cpp):
+// each layer writes its keys/values at ``start .. start + n`` of its cache buffers (batch, kv_heads,
+// max_len, head_dim) and attends over ``0 .. start + n`` under ``masks[type]``. Returns the last layer's
+// output, then the input of each layer listed in ``record``.
+struct DecoderStack {
+  explicit DecoderStack(std::vector<DecoderLayer> layers) : layers(std::move(layers)) {}
+  std::vector<at::Tensor> forward(at::Tensor x, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                                  int64_t start, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                                  const std::vector<at::Tensor>& masks, const std::vector<int64_t>& record) const;
+  std::vector<DecoderLayer> layers;
+};
+
 }  // namespace selfdraft
