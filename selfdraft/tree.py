@@ -60,21 +60,26 @@ class Tree:
 
 def tree_from_parents(parents: Sequence[int] | Tensor) -> Tree:
     """Build a tree from a parent array; raises if it is not rooted at 0 in topological order."""
-    parents = torch.as_tensor(parents, dtype=torch.long).flatten()
-    n = parents.numel()
-    if n == 0 or int(parents[0]) != -1:
-        raise ValueError(f"a tree needs node 0 as its root with parent -1, got parents={parents.tolist()}")
-    idx = torch.arange(n)
-    if n > 1 and not bool(((parents[1:] >= 0) & (parents[1:] < idx[1:])).all()):
-        raise ValueError(f"parents must satisfy 0 <= parents[i] < i for i > 0, got {parents.tolist()}")
-    depth = torch.zeros(n, dtype=torch.long)
-    ancestors = torch.zeros(n, n, dtype=torch.bool)
-    ancestors[0, 0] = True
+    # Python lists first and one tensor per field: drafters build a tree every step, and per-element
+    # tensor indexing costs more than the whole build for the trees we draft (5-60 nodes).
+    plist = parents.flatten().tolist() if isinstance(parents, Tensor) else [int(p) for p in parents]
+    n = len(plist)
+    if n == 0 or plist[0] != -1:
+        raise ValueError(f"a tree needs node 0 as its root with parent -1, got parents={plist}")
+    if any(not 0 <= p < i for i, p in enumerate(plist) if i > 0):
+        raise ValueError(f"parents must satisfy 0 <= parents[i] < i for i > 0, got {plist}")
+    depth = [0] * n
+    rows = [[False] * n for _ in range(n)]
+    rows[0][0] = True
     for i in range(1, n):
-        p = int(parents[i])
+        p = plist[i]
         depth[i] = depth[p] + 1
-        ancestors[i] = ancestors[p]
-        ancestors[i, i] = True
+        row = rows[i]
+        row[: p + 1] = rows[p][: p + 1]
+        row[i] = True
+    parents = torch.tensor(plist, dtype=torch.long)
+    depth = torch.tensor(depth, dtype=torch.long)
+    ancestors = torch.tensor(rows, dtype=torch.bool)
     return Tree(parents=parents, depth=depth, ancestors=ancestors)
 
 
