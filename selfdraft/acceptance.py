@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from selfdraft.sampling import sample
+from selfdraft.sampling import argmax, sample
 from selfdraft.tree import Tree
 
 
@@ -52,7 +52,7 @@ def accept_greedy(tree: Tree, tokens: Tensor, target_logits: Tensor) -> Acceptan
 
     tokens: (n,) draft tokens (tokens[0] is the root). target_logits: (n, V) target logits at each node.
     """
-    target_next = target_logits.argmax(-1).cpu()
+    target_next = argmax(target_logits).cpu()
     ok = tokens == target_next[tree.parents.clamp(min=0)]
     path = _deepest_valid(tree, ok)
     return Acceptance(path=path, next_token=int(target_next[path[-1]]))

@@ -86,8 +86,20 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     return out.reshape(probs.shape[:-1])
 
 
+def argmax(logits: Tensor) -> Tensor:
+    """(..., V) -> (...) int64: ``logits.argmax(-1)`` (the first maximum), faster for bf16 / fp16 rows.
+
+    PyTorch's CPU argmax over reduced-precision floats is far slower than over fp32 (one Gemma-3 row of
+    262,144 bf16 logits: ~1.2 ms against ~0.35-0.6 ms widened first; twelve rows ~7.2 against ~2.4-4.2
+    ms on the 2-core AVX2 machine), and widening is exact, so such rows are widened first.
+    """
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(-1)
+
+
 def choose(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> Tensor:
     """Pick the next token from (..., V) logits: argmax in greedy mode, else a sample."""
     if cfg.greedy:
-        return logits.argmax(-1)
+        return argmax(logits)
     return sample(logits_to_probs(logits, cfg), generator)

@@ -14,7 +14,7 @@ from selfdraft.acceptance import accept_sampling, accept_typical
 from selfdraft.drafters import DraftModelDrafter, MergedDrafter, PromptLookupDrafter, layer_skip_drafter
 from selfdraft.drafters.eagle import EagleDrafter
 from selfdraft.generate import GenerationConfig, generate
-from selfdraft.sampling import SamplingConfig, logits_to_probs, sample
+from selfdraft.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from selfdraft.tree import tree_from_parents
 
 V = 5
@@ -191,3 +191,22 @@ def test_generation_tokens_follow_target_distribution(drafter_name):
     for name, counts, want in [("x2", counts2, want2), ("x3", counts3, want3)]:
         pval = chi2_pvalue(counts, want)
         assert pval > P_MIN, f"{drafter_name}: {name} marginal differs from the target's (chi2 p={pval:.2e})"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_argmax_is_the_first_maximum_like_torch(dtype):
+    """The widened argmax picks exactly what ``argmax(-1)`` picks: ties go to the first index, a NaN wins,
+    -inf rows pick 0, and any leading shape works."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 4, 1000, generator=g) * 8).to(dtype)
+    x[0, 0, 17] = x[0, 0, 900] = 1000  # tie
+    x[0, 1, 5] = float("nan")
+    x[0, 2] = float("-inf")
+    x[1, 0, :] = 3  # all equal
+    x[2, 3] = torch.arange(1000, dtype=torch.float32).to(dtype)  # bf16 rounding makes the top values tie
+    want = x.argmax(-1)
+    got = argmax(x)
+    assert got.dtype == torch.int64 and got.shape == (3, 4)
+    assert torch.equal(got, want)
+    assert (int(got[0, 0]), int(got[0, 1]), int(got[0, 2]), int(got[1, 0])) == (17, 5, 0, 0)
+    assert torch.equal(argmax(x[1, 1]), x[1, 1].argmax(-1))

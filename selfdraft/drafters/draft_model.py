@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from selfdraft.adapter import check_supported, new_cache, tree_forward
 from selfdraft.drafters.base import Draft, StepResult
-from selfdraft.sampling import SamplingConfig, logits_to_probs, sample
+from selfdraft.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from selfdraft.tree import chain_tree
 
 
@@ -67,7 +67,7 @@ class DraftModelDrafter:
         qs: list[Tensor] = []
         for i in range(self.gamma):
             if sampling.greedy:
-                tok = int(logits.argmax())
+                tok = int(argmax(logits))
             else:
                 q = logits_to_probs(logits, sampling)
                 qs.append(q)
