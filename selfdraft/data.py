@@ -192,13 +192,23 @@ class TokenizedSample:
 def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int) -> TokenizedSample | None:
     """Render with the tokenizer's chat template; mask = assistant tokens; truncate to ``max_len``.
 
-    Rule: keep the first ``max_len`` tokens; return None (a counted drop) when no assistant token
-    survives. Raises if the tokenizer has no chat template.
+    A tokenizer without a chat template (a base model) renders the conversation as plain text, the
+    contents joined by newlines: what ``Target.encode_chat`` feeds the model at inference, so a head
+    trains on the context it drafts in. Rule: keep the first ``max_len`` tokens; return None (a
+    counted drop) when no assistant token survives.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "the tokenizer has no chat template; set tokenizer.chat_template or use a chat model's tokenizer"
-        )
+    if getattr(tokenizer, "chat_template", None):
+        full, mask = _render_chat(tokenizer, messages)
+    else:
+        full, mask = _render_plain(tokenizer, messages)
+    ids, mask = full[:max_len], mask[:max_len]
+    if not any(mask):
+        return None
+    return TokenizedSample(ids, mask)
+
+
+def _render_chat(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Chat-template ids and the mask of each assistant turn (its content and end marker)."""
 
     def render(msgs: list[dict], gen_prompt: bool) -> list[int]:
         ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen_prompt)
@@ -213,10 +223,25 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int) ->
         end = len(render(messages[: i + 1], False))
         for j in range(start, min(end, len(full))):
             mask[j] = 1
-    ids, mask = full[:max_len], mask[:max_len]
-    if not any(mask):
-        return None
-    return TokenizedSample(ids, mask)
+    return full, mask
+
+
+def _render_plain(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Newline-joined contents tokenised in one piece (as at inference); a token is an assistant token
+    when its first character lies in an assistant turn's content (character offsets)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            "the tokenizer has no chat template, and plain-text rendering needs a fast tokenizer (character "
+            "offsets) to find the assistant tokens: set tokenizer.chat_template or load a fast tokenizer"
+        )
+    spans, pos = [], 0
+    for m in messages:
+        if m["role"] == "assistant":
+            spans.append((pos, pos + len(m["content"])))
+        pos += len(m["content"]) + 1  # the newline that joins the next turn
+    enc = tokenizer("\n".join(m["content"] for m in messages), return_offsets_mapping=True)
+    mask = [int(end > start and any(a <= start < b for a, b in spans)) for start, end in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask
 
 
 def prepare_samples(

@@ -97,11 +97,30 @@ def test_truncation_rule_and_counts():
     assert counts["dropped: no assistant token within max_len"] == 1 and counts["truncated to max_len"] == 1
 
 
-def test_no_chat_template_is_an_error():
+def test_without_chat_template_renders_plain_text_like_inference():
+    """Guards base-model training: the conversation is the newline-joined text that encode_chat feeds
+    the model, and exactly the assistant contents are trained."""
+    from selfdraft.target import Target
+
     tok = char_tokenizer()
     tok.chat_template = None
-    with pytest.raises(ValueError, match="chat template"):
-        tokenize_conversation(tok, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], 10)
+    msgs = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cde"},
+            {"role": "user", "content": "f"}, {"role": "assistant", "content": "gh"}]
+    sample = tokenize_conversation(tok, msgs, max_len=100)
+    prompt = Target(model=None, tokenizer=tok, name="t").encode_chat(msgs)
+    assert sample.input_ids == prompt  # the same ids as the prompt rendering
+    trained = "".join(tok.decode([i]) for i, m in zip(sample.input_ids, sample.loss_mask) if m)
+    assert trained == "cdegh", trained
+    assert tokenize_conversation(tok, msgs[:2], max_len=3) is None  # <s>, a, b: nothing to train
+
+
+def test_plain_text_needs_character_offsets():
+    class Slow:  # what a slow (Python) tokenizer without a template looks like to the renderer
+        chat_template = None
+        is_fast = False
+
+    with pytest.raises(ValueError, match="fast tokenizer"):
+        tokenize_conversation(Slow(), [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], 10)
 
 
 @pytest.mark.slow
