@@ -57,7 +57,8 @@ def build_samples(cfg: TrainConfig, tokenizer, accelerator: Accelerator):
     accelerator.print(f"[data] {source}: {report.describe()}")
     bar = tqdm(conversations, desc="tokenise", unit="conv", file=sys.stderr, disable=quiet() or not accelerator.is_main_process)
     samples, counts = prepare_samples(tokenizer, bar, cfg.max_len)
-    accelerator.print(f"[data] tokenised with the chat template, max_len {cfg.max_len}: {dict(counts)}")
+    rendering = "the chat template" if getattr(tokenizer, "chat_template", None) else "plain text (no chat template)"
+    accelerator.print(f"[data] tokenised with {rendering}, max_len {cfg.max_len}: {dict(counts)}")
     if len(samples) <= cfg.eval_samples:
         raise ValueError(f"only {len(samples)} usable samples; need more than eval_samples={cfg.eval_samples}")
     return samples[cfg.eval_samples :], samples[: cfg.eval_samples]
