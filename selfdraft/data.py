@@ -189,6 +189,15 @@ class TokenizedSample:
     """1 on assistant tokens (the tokens a draft head learns to predict), 0 elsewhere."""
 
 
+PLAIN_SEPARATOR = "\n"
+"""What joins the turns of a conversation rendered for a model without a chat template."""
+
+
+def plain_text(messages: list[dict]) -> str:
+    """A conversation as a base model (no chat template) sees it, in training and at inference."""
+    return PLAIN_SEPARATOR.join(m["content"] for m in messages)
+
+
 def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int) -> TokenizedSample | None:
     """Render with the tokenizer's chat template; mask = assistant tokens; truncate to ``max_len``.
 
@@ -227,7 +236,7 @@ def _render_chat(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[
 
 
 def _render_plain(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Newline-joined contents tokenised in one piece (as at inference); a token is an assistant token
+    """``plain_text`` tokenised in one piece (as at inference); a token is an assistant token
     when its first character lies in an assistant turn's content (character offsets)."""
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(
@@ -238,8 +247,8 @@ def _render_plain(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list
     for m in messages:
         if m["role"] == "assistant":
             spans.append((pos, pos + len(m["content"])))
-        pos += len(m["content"]) + 1  # the newline that joins the next turn
-    enc = tokenizer("\n".join(m["content"] for m in messages), return_offsets_mapping=True)
+        pos += len(m["content"]) + len(PLAIN_SEPARATOR)
+    enc = tokenizer(plain_text(messages), return_offsets_mapping=True)
     mask = [int(end > start and any(a <= start < b for a, b in spans)) for start, end in enc["offset_mapping"]]
     return list(enc["input_ids"]), mask
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from selfdraft.adapter import check_supported
 from selfdraft.assets import package_file
+from selfdraft.data import plain_text
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,7 @@ class Target:
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             return list(ids)
-        text = "\n".join(m["content"] for m in messages)
-        return list(self.tokenizer(text)["input_ids"])
+        return list(self.tokenizer(plain_text(messages))["input_ids"])
 
 
 def _find_embedded(alias: str) -> Path:
