@@ -198,6 +198,20 @@ def plain_text(messages: list[dict]) -> str:
     return PLAIN_SEPARATOR.join(m["content"] for m in messages)
 
 
+def reply_content(text: str, chat: bool) -> str:
+    """A generated reply as the content of the assistant turn that renders it again.
+
+    A chat model's reply sits between template markers: surrounding whitespace is dropped. A base
+    model's reply is a continuation of ``plain_text(history)``, which puts a separator before each
+    turn: one leading separator is dropped so that rendering the turn gives back the target's own
+    text; other leading text is kept as generated (the rendering then differs from what the target
+    saw only by that one separator).
+    """
+    if chat:
+        return text.strip()
+    return (text[len(PLAIN_SEPARATOR):] if text.startswith(PLAIN_SEPARATOR) else text).rstrip()
+
+
 def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int) -> TokenizedSample | None:
     """Render with the tokenizer's chat template; mask = assistant tokens; truncate to ``max_len``.
 

@@ -114,6 +114,19 @@ def test_without_chat_template_renders_plain_text_like_inference():
     assert tokenize_conversation(tok, msgs[:2], max_len=3) is None  # <s>, a, b: nothing to train
 
 
+def test_reply_content_renders_back_what_the_target_said():
+    """Guards distilled base-model turns: a continuation that starts with the separator renders back
+    to exactly the text the target produced after its prompt; chat replies lose their padding."""
+    from selfdraft.data import PLAIN_SEPARATOR, plain_text, reply_content
+
+    history = [{"role": "user", "content": "What is 2+2?"}]
+    for said in (PLAIN_SEPARATOR + PLAIN_SEPARATOR + "It is 4.", PLAIN_SEPARATOR + " 4", PLAIN_SEPARATOR + "4\n\n"):
+        turn = {"role": "assistant", "content": reply_content(said, chat=False)}
+        assert plain_text(history + [turn]) == plain_text(history) + said.rstrip()
+    assert reply_content(" Answer: 4", chat=False) == " Answer: 4"  # a continuation of the prompt's own line
+    assert reply_content("  It is 4.\n", chat=True) == "It is 4."
+
+
 def test_plain_text_needs_character_offsets():
     class Slow:  # what a slow (Python) tokenizer without a template looks like to the renderer
         chat_template = None

@@ -68,6 +68,41 @@ def test_distill_regenerates_with_the_target_and_resumes(tiny_target_dir, tmp_pa
     assert cut[1]["conversations"][1] == records[1]["conversations"][1]
 
 
+def test_distill_a_base_model_records_its_continuations(tmp_path):
+    """Guards self-distillation of a base model (no chat template): each reply is the target's greedy
+    continuation of the plain-text prompt, and the record trains on exactly that reply's tokens."""
+    from conftest import char_tokenizer, tiny_model
+
+    from selfdraft.data import load_conversations, reply_content, tokenize_conversation
+    from selfdraft.generate import GenerationConfig, generate
+    from selfdraft.target import load_target
+
+    folder = tmp_path / "base"
+    tiny_model("llama").save_pretrained(folder)
+    tok = char_tokenizer()
+    tok.chat_template = None
+    tok.save_pretrained(folder)
+    data = tmp_path / "in.jsonl"
+    convs = [{"conversations": [{"from": "human", "value": "abc abc"}, {"from": "gpt", "value": "old reply"}]},
+             {"conversations": [{"from": "human", "value": "q q q"}, {"from": "gpt", "value": "w"}]}]
+    data.write_text("\n".join(json.dumps(c) for c in convs))
+    out = tmp_path / "out.jsonl"
+    distill.main(distill.DistillConfig(target=str(folder), dtype="float32", data=str(data), max_samples=0,
+                                       max_new_tokens=6, out=str(out), drafter="none", batch_size=2))
+    target = load_target(str(folder), dtype="float32")
+    assert not getattr(target.tokenizer, "chat_template", None)
+    loaded, report = load_conversations(out)
+    assert report.kept == 2
+    for messages, source in zip(loaded, ("abc abc", "q q q")):
+        prompt = target.encode_chat(source)
+        plain = generate(target.model, prompt, None, GenerationConfig(max_new_tokens=6), target.eos_token_ids)
+        said = target.tokenizer.decode(plain.tokens, skip_special_tokens=True)
+        assert messages[1]["content"] == reply_content(said, chat=False) and messages[1]["content"]
+        sample = tokenize_conversation(target.tokenizer, messages, max_len=100)
+        trained = "".join(target.tokenizer.decode([i]) for i, m in zip(sample.input_ids, sample.loss_mask) if m)
+        assert trained == messages[1]["content"]
+
+
 def test_resume_reads_lines_holding_raw_line_separators(tmp_path):
     """Guards resume on real replies: U+2028 / U+0085 written raw (ensure_ascii=False) are not line breaks."""
     from selfdraft.benchmark import load_conversations

@@ -6,7 +6,9 @@
 Heads trained on the target's own replies learn what the target will say, not what another model
 said (the training signal Medusa-2 and EAGLE recommend). Each assistant turn is regenerated from the
 human turns and the target's own earlier replies, through this project's speculative engine (prompt
-lookup by default, or a trained head: identical greedy text, fewer target forwards).
+lookup by default, or a trained head: identical greedy text, fewer target forwards). A base model
+(no chat template) continues the plain-text rendering of the conversation, and its continuation
+becomes the assistant turn (``selfdraft.data.reply_content``).
 
 Output: ShareGPT JSONL (``{"id", "conversations": [{"from", "value"}]}``), one line per conversation,
 flushed after each chunk of conversations. Rerunning with the same ``out`` resumes: ids already
@@ -32,7 +34,7 @@ from tqdm import tqdm
 
 from selfdraft.batch import TreePolicy, generate_batch
 from selfdraft.config import load
-from selfdraft.data import json_lines, load_conversations, sharegpt_path
+from selfdraft.data import json_lines, load_conversations, reply_content, sharegpt_path
 from selfdraft.drafters import drafter_factory
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.progress import quiet
@@ -57,10 +59,11 @@ def completed_ids(path: Path) -> set[int]:
 
 
 def regenerate(target, conversations: list[list[dict]], ids: list[int], make_drafter, gen_cfg: GenerationConfig,
-               cfg: DistillConfig, totals: dict[str, int]) -> list[list[dict]]:
+               cfg: DistillConfig, totals: dict[str, int], chat: bool) -> list[list[dict]]:
     """Regenerate the assistant turns of several conversations, turn by turn; returns their new histories.
 
-    Round k regenerates the k-th assistant turn of every conversation that still has one (and whose
+    ``chat``: the target renders prompts with a chat template (else its replies are plain-text
+    continuations). Round k regenerates the k-th assistant turn of every conversation that still has one (and whose
     prompt fits the context), from its human turns and the target's own earlier replies. With
     ``cfg.batch_size`` > 1 a round runs through continuous batching (one batched target forward per
     step); otherwise each reply is one speculative ``generate`` call. Greedy replies are the same
@@ -100,7 +103,8 @@ def regenerate(target, conversations: list[list[dict]], ids: list[int], make_dra
             totals["steps"] += stats.steps
             totals["accepted"] += stats.accepted
             totals["new_tokens"] += stats.new_tokens
-            histories[c].append({"role": "assistant", "content": target.tokenizer.decode(tokens, skip_special_tokens=True).strip()})
+            text = target.tokenizer.decode(tokens, skip_special_tokens=True)
+            histories[c].append({"role": "assistant", "content": reply_content(text, chat)})
             cursors[c] += 1  # past the assistant turn just regenerated
         active = [c for c, _ in asks if cfg.turns == "all"]
     return histories
@@ -115,8 +119,8 @@ def main(cfg: DistillConfig) -> Path:
         raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     target = load_target(cfg.target, dtype=cfg.dtype)
-    if not getattr(target.tokenizer, "chat_template", None):
-        raise ValueError(f"{cfg.target} has no chat template: self-distillation needs a chat model")
+    chat = bool(getattr(target.tokenizer, "chat_template", None))
+    print(f"[distill] prompts rendered with {'the chat template' if chat else 'plain text (no chat template): replies are continuations'}")
     source = sharegpt_path() if cfg.data == "sharegpt" else cfg.data
     conversations, report = load_conversations(source, limit=cfg.max_samples or None)
     print(f"[distill] {source}: {report.describe()}")
@@ -139,7 +143,7 @@ def main(cfg: DistillConfig) -> Path:
         for start in range(0, len(todo), chunk):
             part = todo[start : start + chunk]
             histories = regenerate(target, [m for _, m in part], [idx for idx, _ in part], make_drafter,
-                                   gen_cfg, cfg, totals)
+                                   gen_cfg, cfg, totals, chat)
             for (idx, _), history in zip(part, histories):
                 if not any(m["role"] == "assistant" for m in history):
                     skipped += 1
