@@ -193,6 +193,11 @@ PLAIN_SEPARATOR = "\n"
 """What joins the turns of a conversation rendered for a model without a chat template."""
 
 
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether conversations render with the tokenizer's chat template (else as ``plain_text``)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def plain_text(messages: list[dict]) -> str:
     """A conversation as a base model (no chat template) sees it, in training and at inference."""
     return PLAIN_SEPARATOR.join(m["content"] for m in messages)
@@ -220,7 +225,7 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], max_len: int) ->
     trains on the context it drafts in. Rule: keep the first ``max_len`` tokens; return None (a
     counted drop) when no assistant token survives.
     """
-    if getattr(tokenizer, "chat_template", None):
+    if has_chat_template(tokenizer):
         full, mask = _render_chat(tokenizer, messages)
     else:
         full, mask = _render_plain(tokenizer, messages)

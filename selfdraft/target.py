@@ -24,7 +24,7 @@ from torch import nn
 
 from selfdraft.adapter import check_supported
 from selfdraft.assets import package_file
-from selfdraft.data import plain_text
+from selfdraft.data import has_chat_template, plain_text
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Target:
     def encode_chat(self, prompt: str | list[dict]) -> list[int]:
         """Render a user prompt (or a list of chat messages) with the tokenizer's chat template."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if getattr(self.tokenizer, "chat_template", None):
+        if has_chat_template(self.tokenizer):
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]

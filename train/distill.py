@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from selfdraft.batch import TreePolicy, generate_batch
 from selfdraft.config import load
-from selfdraft.data import json_lines, load_conversations, reply_content, sharegpt_path
+from selfdraft.data import has_chat_template, json_lines, load_conversations, reply_content, sharegpt_path
 from selfdraft.drafters import drafter_factory
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.progress import quiet
@@ -63,8 +63,8 @@ def regenerate(target, conversations: list[list[dict]], ids: list[int], make_dra
     """Regenerate the assistant turns of several conversations, turn by turn; returns their new histories.
 
     ``chat``: the target renders prompts with a chat template (else its replies are plain-text
-    continuations). Round k regenerates the k-th assistant turn of every conversation that still has one (and whose
-    prompt fits the context), from its human turns and the target's own earlier replies. With
+    continuations). Round k regenerates the k-th assistant turn of every conversation that still
+    has one (and whose prompt fits the context), from its human turns and the target's own earlier replies. With
     ``cfg.batch_size`` > 1 a round runs through continuous batching (one batched target forward per
     step); otherwise each reply is one speculative ``generate`` call. Greedy replies are the same
     either way: both decode the target's own argmax.
@@ -119,7 +119,7 @@ def main(cfg: DistillConfig) -> Path:
         raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     target = load_target(cfg.target, dtype=cfg.dtype)
-    chat = bool(getattr(target.tokenizer, "chat_template", None))
+    chat = has_chat_template(target.tokenizer)
     print(f"[distill] prompts rendered with {'the chat template' if chat else 'plain text (no chat template): replies are continuations'}")
     source = sharegpt_path() if cfg.data == "sharegpt" else cfg.data
     conversations, report = load_conversations(source, limit=cfg.max_samples or None)

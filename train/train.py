@@ -27,7 +27,7 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from selfdraft.config import load
-from selfdraft.data import collate, load_conversations, prepare_samples, sharegpt_path
+from selfdraft.data import collate, has_chat_template, load_conversations, prepare_samples, sharegpt_path
 from selfdraft.features import FeatureStore, target_features
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.heads import build_head, head_type, load_head, save
@@ -57,7 +57,7 @@ def build_samples(cfg: TrainConfig, tokenizer, accelerator: Accelerator):
     accelerator.print(f"[data] {source}: {report.describe()}")
     bar = tqdm(conversations, desc="tokenise", unit="conv", file=sys.stderr, disable=quiet() or not accelerator.is_main_process)
     samples, counts = prepare_samples(tokenizer, bar, cfg.max_len)
-    rendering = "the chat template" if getattr(tokenizer, "chat_template", None) else "plain text (no chat template)"
+    rendering = "the chat template" if has_chat_template(tokenizer) else "plain text (no chat template)"
     accelerator.print(f"[data] tokenised with {rendering}, max_len {cfg.max_len}: {dict(counts)}")
     if len(samples) <= cfg.eval_samples:
         raise ValueError(f"only {len(samples)} usable samples; need more than eval_samples={cfg.eval_samples}")
