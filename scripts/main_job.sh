@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default target (SmolLM2-135M-Instruct, bf16, this machine's cores):
 #   1. train a small EAGLE-3 head on the shipped ShareGPT (STEPS optimizer steps of 8 conversations),
-#   2. tune its draft tree to this machine (held-out ShareGPT prompts, not the benchmark's),
+#   2. tune its draft tree to this machine (held-out ShareGPT prompts, not the benchmark's), alone
+#      and merged with 10-token prompt lookup,
 #   3. generate on the first MT-bench questions with HF generate, plain decoding, the new head and
 #      the head merged with prompt lookup, print the table (tokens/s, speedup vs HF generate, tau,
 #      identity with plain decoding) and summary lines.
@@ -36,7 +37,7 @@ START=$(date +%s)
   --max-samples "$MAX_SAMPLES" --eval-samples "$EVAL_SAMPLES" --max-len "$MAX_LEN" --out-dir "$OUT" --max-steps "$STEPS" \
   --warmup-steps 5 --eval-every 0 --save-every 0 --eval-tau-prompts 0 --report-to none
 "$PYTHON" -m selfdraft.cli tune --head "$OUT/head" --target "$TARGET" --prompts "$TUNE_PROMPTS" --limit 4 \
-  --max-new-tokens 64 --max-nodes 16 --max-depth 4 --reps 3 --context "$CONTEXT"
+  --max-new-tokens 64 --max-nodes 16 --max-depth 4 --reps 3 --context "$CONTEXT" --lookup 10
 "$PYTHON" -m selfdraft.cli bench --target "$TARGET" --limit "$PROMPTS" --max-new-tokens "$TOKENS" \
   --decoders "hf plain head:path=$OUT/head head:path=$OUT/head,lookup=10" --out "$OUT/bench.json"
 

@@ -3,7 +3,8 @@
 #   1. self-distil PROMPTS ShareGPT first turns with the target (greedy, batched; resumed if the file exists),
 #   2. dump their target features once (grown, not redone, when the distilled file grew),
 #   3. train a fresh head STEPS steps from the dump (no target layers in the loop),
-#   4. tune its draft tree to this machine on held-out ShareGPT prompts.
+#   4. tune its draft tree to this machine on held-out ShareGPT prompts, alone and merged with
+#      10-token prompt lookup (head:path=DIR,lookup=10).
 # Prints the minutes of each stage and in all; the head lands in $OUT/head, the stage seconds in $OUT.timings.
 #
 #   bash scripts/train_cpu2h.sh          # defaults sized to 2 hours on this machine (below)
@@ -60,5 +61,5 @@ stage distill "$PYTHON" -m selfdraft.cli distill --target "$TARGET" --data "$DAT
 stage dump "$PYTHON" train/dump_features.py "$CONFIG" "${OPTIONS[@]}"
 stage train "$PYTHON" train/train.py "$CONFIG" "${OPTIONS[@]}" "max_steps=$STEPS"
 stage tune "$PYTHON" -m selfdraft.cli tune --head "$OUT/head" --target "$TARGET" --prompts "$TUNE_PROMPTS" --limit 4 \
-  --max-new-tokens 64 --max-nodes 16 --max-depth 4 --reps 3 --context "$CONTEXT"
+  --max-new-tokens 64 --max-nodes 16 --max-depth 4 --reps 3 --context "$CONTEXT" --lookup 10
 echo "[cpu2h] $PROMPTS prompts, $STEPS steps: $(minutes $(( $(date +%s) - START ))) min end to end (stage seconds in $LOG)" >&2

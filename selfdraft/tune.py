@@ -16,6 +16,15 @@ Expected tokens/s of a tree budget b is ``tau(b) / (verify(b) + draft(b) + other
 
 The chosen budget is written to ``tune.json`` in the head folder, which ``head:path=DIR`` drafters
 read as their defaults (explicit options still win).
+
+With ``lookup=N`` the tree to merge with an N-token prompt-lookup draft (``head:path=DIR,lookup=N``,
+:class:`~selfdraft.drafters.MergedDrafter`) is picked too. The head-alone model above does not
+predict it: the merged tree adds lookup's copied spans, and the speculation gate switches head-only
+steps off and on by their measured cost, so a cheaper head tree can commit more per second than the
+one best alone (docs/benchmarks.md, nineteenth session). The best few head trees and a one-token
+head draft are therefore decoded for real, merged and gated as ``generate`` runs them, the trees
+taking turns prompt by prompt; greedy output is the same for all, so the least total time wins.
+The choice is saved under ``lookup`` in ``tune.json`` and read by ``head:path=DIR,lookup=N``.
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -60,6 +70,9 @@ class TuneConfig:
     context: int = opt(256, "cached context length behind the timed verification forwards")
     reps: int = opt(7, "timing repetitions per size (median)")
     threads: int = opt(0, "torch threads (0 = number of cores)")
+    lookup: int = opt(0, "also pick the head tree to merge with an N-token prompt-lookup draft (head:path=DIR,lookup=N): "
+                      "the best trees are decoded end to end with the speculation gate (0 = head alone only)")
+    measure: int = opt(3, "with lookup: how many of the best head-alone trees to decode merged (plus a one-token draft)")
     save: bool = opt(True, "write tune.json into the head folder")
     out: str = opt("", "also write the full measurements as JSON to this file")
 
@@ -73,9 +86,12 @@ def setup_differences(measured_on: dict, here: dict) -> dict[str, tuple]:
     return {k: (measured_on.get(k, False), v) for k, v in here.items() if measured_on.get(k, False) != v}
 
 
-def read_tuned(head_dir: str | Path) -> dict:
+def read_tuned(head_dir: str | Path, lookup: int = 0) -> dict:
     """The drafter options saved by ``selfdraft tune`` for this head ({} if it was never tuned, or
-    tuned on a CPU setup unlike this one: that tune's timings say nothing here; a message says so)."""
+    tuned on a CPU setup unlike this one: that tune's timings say nothing here; a message says so).
+
+    ``lookup`` > 0: the options tuned for the head merged with an N-token prompt-lookup draft; when
+    the head was tuned without that lookup, its head-alone options, with a message saying so."""
     path = Path(head_dir) / TUNE_FILE
     if not path.is_file():
         return {}
@@ -86,6 +102,12 @@ def read_tuned(head_dir: str | Path) -> dict:
         print(f"[tune] ignoring {path}: it was measured on a different CPU setup ({shown}); run "
               f"`selfdraft tune --head {head_dir}` here to pick a tree for this machine", file=sys.stderr)
         return {}
+    merged = tuned.get("lookup") or {}
+    if lookup and merged.get("num_tokens") == lookup:
+        return dict(merged["drafter_options"])
+    if lookup:
+        print(f"[tune] {path} holds the tree tuned for the head alone, not merged with lookup={lookup}; "
+              f"`selfdraft tune --head {head_dir} --lookup {lookup}` picks the tree for the merged drafter", file=sys.stderr)
     return dict(tuned.get("drafter_options", {}))
 
 
@@ -229,6 +251,97 @@ def medusa_best_paths(acc: Tensor, max_nodes: int) -> list[tuple[tuple[int, ...]
     return out
 
 
+@torch.inference_mode()
+def decode_time(model: nn.Module, prompts: list[list[int]], factories: dict[str, Callable[[], Drafter | None]],
+                cfg: GenerationConfig, eos_token_ids: Sequence[int]) -> dict[str, dict]:
+    """Decode every prompt with a fresh drafter of each factory (None: plain decoding), the factories
+    taking turns prompt by prompt in a rotating order (a drift of the machine's speed lands on all
+    alike). Returns {name: {"seconds", "tokens", "tokens_per_s", "tau"}} over all prompts (tau: tokens
+    committed per verification forward, the prefill's first token not counted); each
+    factory first decodes a few tokens untimed (one-time costs: kernels, first shapes)."""
+    names = list(factories)
+    warm = replace(cfg, max_new_tokens=min(8, cfg.max_new_tokens))
+    for name in names:
+        generate(model, prompts[0], factories[name](), warm, eos_token_ids)
+    totals = {name: {"seconds": 0.0, "tokens": 0, "steps": 0, "verified": 0} for name in names}
+    for i, prompt in enumerate(prompts):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            drafter = factories[name]()
+            t0 = time.perf_counter()
+            out = generate(model, prompt, drafter, cfg, eos_token_ids)
+            totals[name]["seconds"] += time.perf_counter() - t0
+            totals[name]["tokens"] += len(out.tokens)
+            totals[name]["steps"] += out.stats.steps
+            totals[name]["verified"] += sum(out.stats.accept_lengths)
+    return {name: {**t, "tokens_per_s": t["tokens"] / max(t["seconds"], 1e-9), "tau": t["verified"] / max(1, t["steps"])}
+            for name, t in totals.items()}
+
+
+def tree_key(options: dict) -> str:
+    """Options that build the same tree share a key: a depth-1 EAGLE tree is the top ``total_tokens``
+    children whatever ``top_k`` (>= total_tokens) they are picked from."""
+    if options.get("depth") == 1 and "total_tokens" in options:
+        options = {**options, "top_k": options["total_tokens"]}
+    return json.dumps(options, sort_keys=True)
+
+
+def merged_trials(kind: str, candidates: list[dict], count: int) -> list[dict]:
+    """Head drafter options to try merged with lookup: a one-token draft, then the ``count`` best
+    head-alone candidates by expected tokens/s that build other trees."""
+    one = {"paths": [[0]]} if kind == "medusa" else {"depth": 1, "top_k": 1, "total_tokens": 1}
+    trials, seen = [one], {tree_key(one)}
+    for c in sorted(candidates, key=lambda c: -c["expected_tokens_per_s"]):
+        if len(trials) > count:
+            break
+        if tree_key(c["drafter_options"]) not in seen:
+            seen.add(tree_key(c["drafter_options"]))
+            trials.append(c["drafter_options"])
+    return trials
+
+
+MERGED_TIE = 0.03
+"""Merged trials within this fraction of the fastest (about the timing noise of one pass over a few
+prompts here) count as tied, and the smallest tree among them wins: a cheaper head step keeps the
+gate drafting on more steps when the prompts turn out less predictable than the tuning ones."""
+
+
+def tune_merged(model: nn.Module, head: nn.Module, kind: str, prompts: list[list[int]], candidates: list[dict],
+                cfg: TuneConfig, eos_token_ids: Sequence[int]) -> dict:
+    """Decode the trial head trees merged with cfg.lookup-token prompt lookup (gated, greedy), with
+    plain decoding and lookup alone alongside for reference; the fastest merged tree wins."""
+    from selfdraft.drafters import MergedDrafter, PromptLookupDrafter
+    from selfdraft.heads import head_type
+
+    trials = merged_trials(kind, candidates, cfg.measure)
+    sizes = [len(o["paths"]) if "paths" in o else o["total_tokens"] for o in trials]
+    factories: dict[str, Callable[[], Drafter | None]] = {"plain": lambda: None,
+                                                          "prompt_lookup": lambda: PromptLookupDrafter(num_tokens=cfg.lookup)}
+    for i, options in enumerate(trials):
+        factories[f"merged {i}"] = lambda o=options: MergedDrafter([head_type(kind).drafter(head, **o),
+                                                                     PromptLookupDrafter(num_tokens=cfg.lookup)])
+    print(f"[tune] decoding {len(trials)} head trees merged with lookup={cfg.lookup} on {len(prompts)} prompts (gated, greedy)")
+    measured = decode_time(model, prompts, factories, GenerationConfig(max_new_tokens=cfg.max_new_tokens, auto_off=True),
+                           eos_token_ids)
+    rows = [{"drafter_options": o, "nodes": nodes, **measured[f"merged {i}"]} for i, (o, nodes) in enumerate(zip(trials, sizes))]
+    fastest = min(r["seconds"] for r in rows)
+    best = min((r for r in rows if r["seconds"] <= fastest * (1 + MERGED_TIE)), key=lambda r: (r["nodes"], r["seconds"]))
+    return {"num_tokens": cfg.lookup, "drafter_options": best["drafter_options"], "measured_tokens_per_s": best["tokens_per_s"],
+            "measured_tau": best["tau"], "trials": rows,
+            "reference": {name: measured[name] for name in ("plain", "prompt_lookup")}}
+
+
+def format_merged(merged: dict) -> str:
+    """The merged trials' measured speed, against plain decoding and lookup alone."""
+    plain = merged["reference"]["plain"]["tokens_per_s"]
+    lines = [f"{'head tree merged with lookup=' + str(merged['num_tokens']):<48} {'tau':>5} {'tok/s':>7} {'x plain':>7}"]
+    rows = [(json.dumps(r["drafter_options"]) if "paths" not in r["drafter_options"] else
+             f"{len(r['drafter_options']['paths'])} Medusa paths", r) for r in merged["trials"]]
+    rows += [(f"({name} alone)", r) for name, r in merged["reference"].items() if name != "plain"]
+    for label, r in rows + [("(plain decoding)", merged["reference"]["plain"])]:
+        lines.append(f"{label:<48} {r['tau']:>5.2f} {r['tokens_per_s']:>7.1f} {r['tokens_per_s'] / plain:>6.2f}x")
+    return "\n".join(lines)
+
+
 def choose(candidates: list[dict]) -> dict:
     return max(candidates, key=lambda c: (c["expected_tokens_per_s"], -c["nodes"]))
 
@@ -242,6 +355,8 @@ def main(cfg: TuneConfig) -> dict:
         raise ValueError("give the head folder to tune: selfdraft tune --head DIR")
     if cfg.max_nodes < 1 or cfg.max_depth < 1:
         raise ValueError(f"max_nodes and max_depth must be >= 1, got {cfg.max_nodes}, {cfg.max_depth}")
+    if cfg.lookup < 0 or cfg.measure < 0:
+        raise ValueError(f"lookup and measure must be >= 0, got {cfg.lookup}, {cfg.measure}")
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     target = load_target(cfg.target, dtype=cfg.dtype)
     model = target.model
@@ -319,15 +434,24 @@ def main(cfg: TuneConfig) -> dict:
         "config": asdict(cfg),
     }
     print(format_table(candidates, plain_tps))
+    if cfg.lookup:
+        result["lookup"] = tune_merged(model, head, kind, prompts, candidates, cfg, target.eos_token_ids)
+        print(format_merged(result["lookup"]))
     chosen = f"{best['nodes']} Medusa paths" if kind == "medusa" else str(best["drafter_options"])
     print(f"[tune] chosen: {chosen} -> expected tau {best['tau']:.2f}, {best['expected_tokens_per_s']:.1f} tok/s "
           f"(plain decoding {plain_tps:.1f} tok/s)")
     if best["expected_tokens_per_s"] < plain_tps:
         print(f"[tune] no tree is expected to beat plain decoding on this machine ({cpu_report()}); with auto_off "
               "(the default of generate, chat and bench) the engine decodes plainly while drafting measures slower")
+    if cfg.lookup:
+        merged = result["lookup"]
+        print(f"[tune] chosen with lookup={cfg.lookup}: {merged['drafter_options']} -> measured tau {merged['measured_tau']:.2f}, "
+              f"{merged['measured_tokens_per_s']:.1f} tok/s (plain {merged['reference']['plain']['tokens_per_s']:.1f}, "
+              f"lookup alone {merged['reference']['prompt_lookup']['tokens_per_s']:.1f})")
     if cfg.save:
         path = write_text_atomic(Path(cfg.head) / TUNE_FILE, json.dumps(result, indent=2))
-        print(f"[tune] saved to {path}; head:path={cfg.head} now drafts with it by default")
+        print(f"[tune] saved to {path}; head:path={cfg.head} now drafts with it by default"
+              + (f", head:path={cfg.head},lookup={cfg.lookup} with the merged choice" if cfg.lookup else ""))
     if cfg.out:
         Path(cfg.out).write_text(json.dumps({**result, "candidates": candidates}, indent=2))
     return result

@@ -12,7 +12,16 @@ from selfdraft.drafters import build_drafter
 from selfdraft.drafters.eagle import EagleDrafter
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.heads import Eagle1Config, Eagle1Head, save
-from selfdraft.tune import ProfileRecorder, TuneConfig, main, medusa_best_paths, read_tuned, tau_from_profile
+from selfdraft.tune import (
+    MERGED_TIE,
+    ProfileRecorder,
+    TuneConfig,
+    main,
+    medusa_best_paths,
+    read_tuned,
+    tau_from_profile,
+    tree_key,
+)
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +102,50 @@ def test_tune_end_to_end_saves_and_is_used(fitted, tiny_target_dir, tmp_path, ca
     override = build_drafter("head", target.model, path=str(head_dir), total_tokens=1)
     assert override.total_tokens == 1, "explicit options must win over tune.json"
     assert "tuned for this machine" in capsys.readouterr().err
+
+
+def test_tune_with_lookup_decodes_the_merged_trees_and_saves_the_fastest(fitted, tiny_target_dir, tmp_path, capsys):
+    """Guards --lookup: the one-token draft and the best head-alone trees are decoded merged with
+    lookup (every trial commits the same greedy tokens), the fastest is saved under "lookup", and
+    head:path=DIR,lookup=N drafts with it while lookup=M (untuned) falls back to the head-alone tree."""
+    model, head, _ = fitted
+    from selfdraft.drafters import MergedDrafter
+    from selfdraft.target import load_target
+
+    target = load_target(str(tiny_target_dir), dtype="float32")
+    head_dir = save(tmp_path / "head", "eagle1", head.cfg, head, target.model, str(tiny_target_dir))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["abc abc abc abc", "hello there hello there"]))
+    cfg = TuneConfig(head=str(head_dir), target=str(tiny_target_dir), dtype="float32", prompts=str(prompts),
+                     limit=2, max_new_tokens=16, max_nodes=8, max_depth=3, top_ks="1 2", context=16, reps=2,
+                     lookup=4, measure=2)
+    result = main(cfg)
+    merged = result["lookup"]
+    trials = merged["trials"]
+    assert trials[0]["drafter_options"] == {"depth": 1, "top_k": 1, "total_tokens": 1} and 2 <= len(trials) <= 3
+    assert len({tree_key(t["drafter_options"]) for t in trials}) == len(trials), "trials must be distinct trees"
+    tokens = {t["tokens"] for t in trials} | {r["tokens"] for r in merged["reference"].values()}
+    assert len(tokens) == 1 and tokens.pop() > 0, "greedy decoding commits the same tokens whatever the drafter"
+    assert merged["reference"]["plain"]["tau"] == 1.0, "a plain step commits one token (the prefill's is not a step)"
+    fastest = min(t["seconds"] for t in trials)
+    tied = [t for t in trials if t["seconds"] <= fastest * (1 + MERGED_TIE)]
+    assert merged["drafter_options"] == min(tied, key=lambda t: (t["nodes"], t["seconds"]))["drafter_options"]
+    assert merged["num_tokens"] == 4
+    assert read_tuned(head_dir, lookup=4) == merged["drafter_options"]
+    drafter = build_drafter("head", target.model, path=str(head_dir), lookup=4)
+    assert isinstance(drafter, MergedDrafter) and drafter.drafters[1].num_tokens == 4
+    assert drafter.drafters[0].total_tokens == merged["drafter_options"]["total_tokens"]
+    capsys.readouterr()
+    assert read_tuned(head_dir, lookup=7) == result["drafter_options"]
+    assert "not merged with lookup=7" in capsys.readouterr().err
+
+
+def test_tree_key_tells_apart_only_different_trees():
+    """Guards the merged trials' dedup: top_k does not change a depth-1 tree of total_tokens children
+    (picked from top_k >= total_tokens), but does change deeper trees."""
+    assert tree_key({"depth": 1, "top_k": 8, "total_tokens": 1}) == tree_key({"depth": 1, "top_k": 1, "total_tokens": 1})
+    assert tree_key({"depth": 1, "top_k": 8, "total_tokens": 2}) != tree_key({"depth": 1, "top_k": 8, "total_tokens": 1})
+    assert tree_key({"depth": 2, "top_k": 2, "total_tokens": 3}) != tree_key({"depth": 2, "top_k": 4, "total_tokens": 3})
 
 
 def test_a_tune_from_another_cpu_setup_is_ignored(tmp_path, capsys):

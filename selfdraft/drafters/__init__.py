@@ -28,8 +28,9 @@ def _head(target: nn.Module, path: str, **options) -> Drafter:
 
 def _head_factory(target: nn.Module, path: str, lookup: int = 0, **options) -> Callable[[], Drafter]:
     """Read the head folder once; drafters built from it share the head module. Options default to
-    the folder's tune.json (the tree ``selfdraft tune`` picked for this machine). ``lookup=N`` (> 0)
-    merges a prompt-lookup continuation of up to N tokens into every head tree (MergedDrafter)."""
+    the folder's tune.json (the tree ``selfdraft tune`` picked for this machine; with ``lookup=N`` the
+    one it picked to merge with lookup, ``selfdraft tune --lookup N``). ``lookup=N`` (> 0) merges a
+    prompt-lookup continuation of up to N tokens into every head tree (MergedDrafter)."""
     from selfdraft.heads import head_type, load_head
     from selfdraft.tune import read_tuned
 
@@ -37,7 +38,7 @@ def _head_factory(target: nn.Module, path: str, lookup: int = 0, **options) -> C
     if lookup < 0:
         raise ValueError(f"lookup must be >= 0 draft tokens, got {lookup}")
     kind, head, _ = load_head(path, target)
-    tuned = read_tuned(path)
+    tuned = read_tuned(path, lookup)
     if tuned:
         shown = {k: v for k, v in tuned.items() if k != "paths"} or f"{len(tuned['paths'])} paths"
         print(f"[head] tree tuned for this machine (tune.json): {shown}; options given here override it", file=sys.stderr)
