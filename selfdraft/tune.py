@@ -448,6 +448,10 @@ def main(cfg: TuneConfig) -> dict:
         print(f"[tune] chosen with lookup={cfg.lookup}: {merged['drafter_options']} -> measured tau {merged['measured_tau']:.2f}, "
               f"{merged['measured_tokens_per_s']:.1f} tok/s (plain {merged['reference']['plain']['tokens_per_s']:.1f}, "
               f"lookup alone {merged['reference']['prompt_lookup']['tokens_per_s']:.1f})")
+        if merged["reference"]["prompt_lookup"]["tokens_per_s"] > merged["measured_tokens_per_s"] * (1 + MERGED_TIE):
+            print(f"[tune] prompt lookup alone measured faster than every merged tree on these prompts: the head "
+                  f"adds drafting and verification cost for tokens lookup already copies; on text like this, "
+                  f"--drafter prompt_lookup:num_tokens={cfg.lookup} is the faster choice")
     if cfg.save:
         path = write_text_atomic(Path(cfg.head) / TUNE_FILE, json.dumps(result, indent=2))
         print(f"[tune] saved to {path}; head:path={cfg.head} now drafts with it by default"

@@ -190,3 +190,42 @@ def test_eagle3_save_load_round_trip(tmp_path):
     for (k, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), k
     assert "embed" not in " ".join(head.state_dict()), "the target embedding must not be saved with the head"
+
+
+def test_eagle_drafter_catches_up_on_a_long_backlog_in_fp32(monkeypatch):
+    """Guards the head's products over a long backlog of committed pairs (the prompt after prefill,
+    or a stretch the gate decoded plainly): on a CPU without native bf16 they take the fp32 route
+    (PyTorch's bf16 GEMM there is ~5x slower), a step of few pairs does not, and the draft is the
+    one the plain bf16 products give (the same tokens on this head)."""
+    import selfdraft.kernels as kernels
+    from selfdraft.drafters.base import StepResult
+
+    monkeypatch.setattr(kernels, "native_bf16_matmul", lambda device_type="cpu": False)
+    model = tiny_model("llama")
+    head = make_head(model, scale=20.0).bfloat16()
+    routed = []
+    real = kernels.upcast_linear
+
+    def spy(x, weight, bias, scratch):
+        routed.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return real(x, weight, bias, scratch)
+
+    monkeypatch.setattr(kernels, "upcast_linear", spy)
+    long = kernels.fused_max_rows() + 12 if kernels.fused_kernel() is not None else 20
+    prompt = torch.tensor(random_prompt(long, 0))
+    hidden = {i: torch.randn(1, long, model.config.hidden_size).bfloat16() for i in head.cfg.feature_layers}
+    drafts = []
+    for route in (True, False):
+        if not route:
+            monkeypatch.setattr("selfdraft.drafters.eagle.large_products", lambda *a: kernels.nullcontext())
+        drafter = EagleDrafter(head, depth=2, top_k=2, total_tokens=4)
+        drafter.reset(StepResult(prompt, 0, hidden))
+        drafts.append(drafter.propose(prompt, SamplingConfig(), None))
+        if route:
+            assert routed and set(routed) == {long}, f"the backlog's products must take the fp32 route: {routed}"
+            routed.clear()
+            step = {i: h[:, -1:] for i, h in hidden.items()}
+            drafter.update(StepResult(torch.cat([prompt, prompt[-1:]]), 0, step))
+            drafter.propose(torch.cat([prompt, prompt[-1:]]), SamplingConfig(), None)
+            assert routed == [], "a step of one pair stays on the bf16 products"
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens) and torch.equal(drafts[0].tree.parents, drafts[1].tree.parents)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from selfdraft.cache import PreallocatedLayer
 from selfdraft.drafters.base import Draft, StepResult
-from selfdraft.kernels import fused_modules
+from selfdraft.kernels import fused_modules, large_products
 from selfdraft.sampling import SamplingConfig
 from selfdraft.tree import Tree, top_nodes_by_score, tree_from_parents
 
@@ -80,7 +80,11 @@ class EagleDrafter:
         return self.head.complete(residual, q, keys, values, mask[None, None])[0]
 
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        with fused_modules(self.head, getattr(self.head, "lm_head", None)):
+        backlog = 0 if self.pending is None else self.pending[0].shape[0]  # committed pairs to feed first
+        with (
+            fused_modules(self.head, getattr(self.head, "lm_head", None)),
+            large_products(self.param.dtype, self.param.device, backlog),
+        ):
             tree, node_tokens, scores = self.expand(tokens)
         # 3. rerank
         tree, keep = top_nodes_by_score(tree, scores, self.total_tokens)
