@@ -77,19 +77,25 @@ def test_medusa_paths_in_acceptance_order():
         assert len(p) == 1 or p[:-1] in paths[:i], f"{p} listed before its parent"
 
 
-def test_tune_end_to_end_saves_and_is_used(fitted, tiny_target_dir, tmp_path, capsys):
-    """Guards the command's contract: measure, choose, save tune.json, and head drafters pick it up."""
-    model, head, _ = fitted
+def tune_setup(fitted, target_dir, tmp_path, prompts: list[str], **options):
+    """The tiny target, the fitted head saved for it, and a TuneConfig over ``prompts`` (small sizes)."""
     from selfdraft.target import load_target
 
-    target = load_target(str(tiny_target_dir), dtype="float32")
-    # the fitted head belongs to tiny_model("llama"), which is the same seed-0 model tiny_target_dir holds
-    head_dir = save(tmp_path / "head", "eagle1", head.cfg, head, target.model, str(tiny_target_dir))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["abc abc abc", "hello there"]))
-    cfg = TuneConfig(head=str(head_dir), target=str(tiny_target_dir), dtype="float32", prompts=str(prompts),
-                     limit=2, max_new_tokens=16, max_nodes=8, max_depth=3, top_ks="1 2", context=16, reps=2,
-                     out=str(tmp_path / "tune_full.json"))
+    _, head, _ = fitted
+    target = load_target(str(target_dir), dtype="float32")
+    # the fitted head belongs to tiny_model("llama"), which is the same seed-0 model target_dir holds
+    head_dir = save(tmp_path / "head", "eagle1", head.cfg, head, target.model, str(target_dir))
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
+    cfg = TuneConfig(head=str(head_dir), target=str(target_dir), dtype="float32", prompts=str(path), limit=2,
+                     max_new_tokens=16, max_nodes=8, max_depth=3, top_ks="1 2", context=16, reps=2, **options)
+    return target, head_dir, cfg
+
+
+def test_tune_end_to_end_saves_and_is_used(fitted, tiny_target_dir, tmp_path, capsys):
+    """Guards the command's contract: measure, choose, save tune.json, and head drafters pick it up."""
+    target, head_dir, cfg = tune_setup(fitted, tiny_target_dir, tmp_path, ["abc abc abc", "hello there"],
+                                       out=str(tmp_path / "tune_full.json"))
     result = main(cfg)
     opts = read_tuned(head_dir)
     assert opts == result["drafter_options"] and set(opts) == {"depth", "top_k", "total_tokens"}
@@ -108,17 +114,10 @@ def test_tune_with_lookup_decodes_the_merged_trees_and_saves_the_fastest(fitted,
     """Guards --lookup: the one-token draft and the best head-alone trees are decoded merged with
     lookup (every trial commits the same greedy tokens), the fastest is saved under "lookup", and
     head:path=DIR,lookup=N drafts with it while lookup=M (untuned) falls back to the head-alone tree."""
-    model, head, _ = fitted
     from selfdraft.drafters import MergedDrafter
-    from selfdraft.target import load_target
 
-    target = load_target(str(tiny_target_dir), dtype="float32")
-    head_dir = save(tmp_path / "head", "eagle1", head.cfg, head, target.model, str(tiny_target_dir))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["abc abc abc abc", "hello there hello there"]))
-    cfg = TuneConfig(head=str(head_dir), target=str(tiny_target_dir), dtype="float32", prompts=str(prompts),
-                     limit=2, max_new_tokens=16, max_nodes=8, max_depth=3, top_ks="1 2", context=16, reps=2,
-                     lookup=4, measure=2)
+    target, head_dir, cfg = tune_setup(fitted, tiny_target_dir, tmp_path, ["abc abc abc abc", "hello there hello there"],
+                                       lookup=4, measure=2)
     result = main(cfg)
     merged = result["lookup"]
     trials = merged["trials"]
