@@ -229,3 +229,46 @@ def test_eagle_drafter_catches_up_on_a_long_backlog_in_fp32(monkeypatch):
             drafter.propose(torch.cat([prompt, prompt[-1:]]), SamplingConfig(), None)
             assert routed == [], "a step of one pair stays on the bf16 products"
     assert torch.equal(drafts[0].tokens, drafts[1].tokens) and torch.equal(drafts[0].tree.parents, drafts[1].tree.parents)
+
+
+def test_sampled_eagle_draft_keeps_draw_order_and_carries_q(tmp_path):
+    """Guards sample=True: at T > 0 each expanded node's children are distinct draws from the q the
+    draft carries for it (full vocabulary, zero outside the draft vocabulary), the kept nodes are the
+    first total_tokens in draw order, and a greedy step still drafts the deterministic tree."""
+    from selfdraft.drafters.base import StepResult
+    from selfdraft.drafters.eagle import draw_without_replacement
+
+    q = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.0, 0.0, 1.0, 0.0]])
+    got = draw_without_replacement(q, 3, torch.Generator().manual_seed(0))
+    assert sorted(got[0].tolist()) == [0, 1, 2] and got[1].tolist() == [2, -1, -1]
+    first = torch.stack([draw_without_replacement(q[:1], 2, torch.Generator().manual_seed(s))[0] for s in range(2000)])
+    assert abs(float((first[:, 0] == 0).float().mean()) - 0.5) < 0.04, "first draw ~ q"
+    second_after_0 = first[first[:, 0] == 0, 1]
+    assert abs(float((second_after_0 == 1).float().mean()) - 0.6) < 0.06, "second draw ~ q without the first"
+
+    model = tiny_model("llama")
+    head = make_head(model, scale=2.0)
+    sampling = SamplingConfig(temperature=1.0)
+    prompt = torch.tensor(random_prompt(6, 0))
+    hidden = {i: torch.randn(1, 6, model.config.hidden_size) for i in head.cfg.feature_layers}
+    drafter = EagleDrafter(head, depth=2, top_k=3, total_tokens=5, sample=True)
+    drafter.reset(StepResult(prompt, 0, hidden))
+    draft = drafter.propose(prompt, sampling, torch.Generator().manual_seed(1))
+    assert draft.q is not None and draft.q.shape == (draft.tree.size, model.config.vocab_size)
+    assert draft.tree.size == 6 and draft.tree.parents[1:4].tolist() == [0, 0, 0], "the root's three draws come first"
+    outside = torch.ones(model.config.vocab_size, dtype=torch.bool)
+    outside[head.draft_ids] = False
+    for node, kids in enumerate(draft.tree.children()):
+        if kids:
+            row = draft.q[node]
+            assert abs(float(row.sum()) - 1) < 1e-5 and float(row[outside].sum()) == 0.0
+            toks = draft.tokens[kids]
+            assert len(set(toks.tolist())) == len(kids) and bool((row[toks] > 0).all())
+    drafter = EagleDrafter(head, depth=2, top_k=3, total_tokens=5, sample=True)
+    drafter.reset(StepResult(prompt, 0, hidden))
+    assert drafter.propose(prompt, SamplingConfig(), None).q is None, "greedy steps keep the deterministic tree"
+    from selfdraft.drafters import build_drafter
+
+    folder = save(tmp_path / "head", "eagle3", head.cfg, head, model, "tiny")
+    with pytest.raises(ValueError, match="deterministic"):
+        build_drafter("head", model, path=str(folder), lookup=4, sample=True)

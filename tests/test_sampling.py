@@ -161,7 +161,7 @@ def exact_third_token(model, prompt: list[int], cfg: SamplingConfig) -> torch.Te
     return torch.einsum("a,ab,abc->c", p1, p2, p3), torch.einsum("a,ab->b", p1, p2)
 
 
-@pytest.mark.parametrize("drafter_name", ["draft_model", "layer_skip", "merged"])
+@pytest.mark.parametrize("drafter_name", ["draft_model", "layer_skip", "merged", "eagle_sampled"])
 def test_generation_tokens_follow_target_distribution(drafter_name):
     """Guards the full engine in sampling mode: x2 and x3 of real generations match the exact marginals."""
     model = tiny_model("llama", seed=3)
@@ -174,11 +174,15 @@ def test_generation_tokens_follow_target_distribution(drafter_name):
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.3 * p.std())
     head = make_head(model, scale=20.0) if drafter_name == "merged" else None
+    if drafter_name == "eagle_sampled":  # a broad q, so that which draws a tree keeps matters
+        head = make_head(model, scale=3.0)
     counts2, counts3 = torch.zeros(VOCAB), torch.zeros(VOCAB)
     accepted = 0
     for i in range(1500):
         if drafter_name == "draft_model":
             drafter = DraftModelDrafter(draft, gamma=2)
+        elif drafter_name == "eagle_sampled":  # children drawn from the head's q, kept in draw order
+            drafter = EagleDrafter(head, depth=2, top_k=4, total_tokens=5, sample=True)
         elif drafter_name == "merged":  # an EAGLE tree and prompt lookup (1-grams) in one tree
             drafter = MergedDrafter([EagleDrafter(head, depth=2, top_k=8, total_tokens=12), PromptLookupDrafter(min_ngram=1)])
         else:

@@ -43,6 +43,9 @@ def _head_factory(target: nn.Module, path: str, lookup: int = 0, **options) -> C
         shown = {k: v for k, v in tuned.items() if k != "paths"} or f"{len(tuned['paths'])} paths"
         print(f"[head] tree tuned for this machine (tune.json): {shown}; options given here override it", file=sys.stderr)
     settings = {**tuned, **options}
+    if lookup and settings.get("sample"):
+        raise ValueError("sample=true draws the head's children at random, and a merged tree needs deterministic "
+                         "members: drop sample or lookup")
     if lookup:
         return lambda: MergedDrafter([head_type(kind).drafter(head, **settings), PromptLookupDrafter(num_tokens=lookup)])
     return lambda: head_type(kind).drafter(head, **settings)

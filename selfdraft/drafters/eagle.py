@@ -8,7 +8,15 @@ The head keeps its own KV cache over committed (feature, next token) pairs. Each
 3. rerank every generated node by cumulative log-probability and keep the best ``total_tokens``
    (an ancestor-closed set), which is the tree the target verifies;
 4. roll the head cache back to the committed pairs (tree entries are dropped).
-Children are a deterministic function of the head's state, so sampling stays lossless (q one-hot).
+By default children are a deterministic function of the head's state (q one-hot), which keeps
+sampling lossless and lets the drafter be merged with others. With ``sample=True`` and a sampling
+(T > 0) step, each node's children are instead drawn from the head's distribution q (processed with
+the step's SamplingConfig) one after another without replacement, and the draft carries q: the
+acceptance test then accepts with min(1, p/q) (SpecInfer), about sum(min(p, q)) per node instead of
+p(x) of a fixed child. Reranking by score after the draws would pick children by their values and
+break losslessness, so a sampled tree keeps its first ``total_tokens`` nodes in the order they were
+drawn (every node's kept children are then a prefix of its draws); which nodes get children is
+still chosen by score, before their children are drawn.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from torch import Tensor
 from selfdraft.cache import PreallocatedLayer
 from selfdraft.drafters.base import Draft, StepResult
 from selfdraft.kernels import fused_modules, large_products
-from selfdraft.sampling import SamplingConfig
+from selfdraft.sampling import SamplingConfig, logits_to_probs, sample
 from selfdraft.tree import Tree, top_nodes_by_score, tree_from_parents
 
 
@@ -33,11 +41,12 @@ class EagleDrafter:
 
     proposes_for_free = False
 
-    def __init__(self, head, depth: int = 5, top_k: int = 4, total_tokens: int = 16):
+    def __init__(self, head, depth: int = 5, top_k: int = 4, total_tokens: int = 16, sample: bool = False):
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise ValueError(f"depth, top_k and total_tokens must be >= 1, got {depth}, {top_k}, {total_tokens}")
         self.head = head
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.sample = bool(sample)
         self.hidden_layers = tuple(head.feature_layers)
         self.param = next(head.parameters())
         self.kv = PreallocatedLayer(1024)  # the head's one-layer KV cache, grown on demand
@@ -85,14 +94,24 @@ class EagleDrafter:
             fused_modules(self.head, getattr(self.head, "lm_head", None)),
             large_products(self.param.dtype, self.param.device, backlog),
         ):
+            if self.sample and not sampling.greedy:
+                tree, node_tokens, _, q = self.expand(tokens, sampling, generator)
+                # 3. keep the first total_tokens nodes in draw order (parents precede their children)
+                tree, keep = top_nodes_by_score(tree, -torch.arange(tree.size, dtype=torch.float), self.total_tokens)
+                return Draft(tree, node_tokens[keep], q[keep])
             tree, node_tokens, scores = self.expand(tokens)
         # 3. rerank
         tree, keep = top_nodes_by_score(tree, scores, self.total_tokens)
         return Draft(tree, node_tokens[keep])
 
     @torch.inference_mode()
-    def expand(self, tokens: Tensor) -> tuple[Tree, Tensor, Tensor]:
-        """Steps 1-2: every generated node as (tree, (n,) tokens, (n,) cumulative log-probabilities)."""
+    def expand(
+        self, tokens: Tensor, sampling: SamplingConfig | None = None, generator: torch.Generator | None = None
+    ) -> tuple[Tree, Tensor, Tensor] | tuple[Tree, Tensor, Tensor, Tensor]:
+        """Steps 1-2: every generated node as (tree, (n,) tokens, (n,) cumulative log-probabilities).
+
+        With ``sampling`` (T > 0), children are drawn from q instead of taken top-k, and a fourth
+        value is returned: (n, V) the q each node's children were drawn from (zeros for leaves)."""
         head, dev = self.head, self.param.device
         self.kv.length = self.committed  # 4. (of the previous step) drop last step's tree entries
         # 1. feed committed pairs
@@ -111,23 +130,34 @@ class EagleDrafter:
         ancestors = [[0]]
         frontier = [0]
         draft_ids = head.draft_ids
+        q_rows: dict[int, Tensor] = {}  # node -> q (draft vocabulary) its children were drawn from
         for d in range(self.depth):
             h = torch.stack([node_hidden[f] for f in frontier])
-            logp = torch.log_softmax(head.logits(h).float(), -1)
-            top_lp, top_i = logp.topk(self.top_k, dim=-1)
+            if sampling is None:
+                logp = torch.log_softmax(head.logits(h).float(), -1)
+                top_lp, top_i = logp.topk(self.top_k, dim=-1)
+            else:
+                q = logits_to_probs(head.logits(h), sampling)
+                # draws past the budget would be dropped: draw at most what can still be kept
+                top_i = draw_without_replacement(q, min(self.top_k, self.total_tokens - len(parents) + 1), generator)
+                top_lp = q.gather(1, top_i.clamp(min=0)).log().masked_fill(top_i < 0, float("-inf"))
+                q_rows.update(zip(frontier, q))
             new_nodes = []
             for row, f in enumerate(frontier):
-                ids = top_i[row] if draft_ids is None else draft_ids[top_i[row]]
-                for lp, i in zip(top_lp[row].tolist(), ids.tolist()):
+                drawn = top_i[row] >= 0
+                ids = top_i[row][drawn] if draft_ids is None else draft_ids[top_i[row][drawn]]
+                for lp, i in zip(top_lp[row][drawn].tolist(), ids.tolist()):
                     parents.append(f)
                     node_tokens.append(i)
                     scores.append(scores[f] + lp)
                     ancestors.append(ancestors[f] + [len(parents) - 1])
                     new_nodes.append(len(parents) - 1)
-            if d + 1 == self.depth:
+            if d + 1 == self.depth or (sampling is not None and len(parents) - 1 >= self.total_tokens):
                 break
             # next frontier: the top-k new nodes by cumulative score, run through the head
             best = sorted(new_nodes, key=lambda x: -scores[x])[: self.top_k]
+            if not best:
+                break
             entry_of.extend(best)
             visible = torch.tensor(
                 [[e in ancestors[b] for e in entry_of] for b in best], dtype=torch.bool, device=dev
@@ -139,4 +169,29 @@ class EagleDrafter:
             for b, o in zip(best, outs):
                 node_hidden[b] = o
             frontier = best
-        return tree_from_parents(parents), torch.tensor(node_tokens), torch.tensor(scores)
+        tree = tree_from_parents(parents)
+        if sampling is None:
+            return tree, torch.tensor(node_tokens), torch.tensor(scores)
+        vocab = head.cfg.vocab_size if draft_ids is not None else next(iter(q_rows.values())).shape[-1]
+        q_full = torch.zeros(tree.size, vocab)
+        for node, q in q_rows.items():
+            if draft_ids is None:
+                q_full[node] = q
+            else:
+                q_full[node, draft_ids] = q
+        return tree, torch.tensor(node_tokens), torch.tensor(scores), q_full
+
+
+def draw_without_replacement(q: Tensor, k: int, generator: torch.Generator | None) -> Tensor:
+    """(rows, V) probabilities -> (rows, k) token ids drawn one after another without replacement
+    (each from q renormalised over the tokens not drawn yet); -1 once a row has no mass left."""
+    q = q.clone()
+    out = torch.full((q.shape[0], k), -1, dtype=torch.long)
+    for j in range(k):
+        alive = q.sum(-1) > 0
+        if not bool(alive.any()):
+            break
+        picked = sample(q[alive], generator)
+        out[alive, j] = picked
+        q[alive.nonzero().flatten(), picked] = 0.0
+    return out
