@@ -103,3 +103,18 @@ def choose(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | Non
     if cfg.greedy:
         return argmax(logits)
     return sample(logits_to_probs(logits, cfg), generator)
+
+
+def draw_without_replacement(q: Tensor, k: int, generator: torch.Generator | None) -> Tensor:
+    """(rows, V) probabilities -> (rows, k) token ids drawn one after another without replacement
+    (each from q renormalised over the tokens not drawn yet); -1 once a row has no mass left."""
+    q = q.clone()
+    out = torch.full((q.shape[0], k), -1, dtype=torch.long)
+    for j in range(k):
+        alive = q.sum(-1) > 0
+        if not bool(alive.any()):
+            break
+        picked = sample(q[alive], generator)
+        out[alive, j] = picked
+        q[alive.nonzero().flatten(), picked] = 0.0
+    return out

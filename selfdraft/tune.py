@@ -173,7 +173,7 @@ class ProfileRecorder:
         self.drafter.reset(step)
 
     def propose(self, tokens: Tensor, sampling, generator) -> Draft:
-        tree, node_tokens, scores = self.drafter.expand(tokens)
+        tree, node_tokens, scores, _ = self.drafter.expand(tokens)
         tree, keep = top_nodes_by_score(tree, scores, self.max_nodes)
         self._last = (tree, node_tokens[keep], scores[keep])
         return Draft(tree, node_tokens[keep])

@@ -236,7 +236,7 @@ def test_sampled_eagle_draft_keeps_draw_order_and_carries_q(tmp_path):
     draft carries for it (full vocabulary, zero outside the draft vocabulary), the kept nodes are the
     first total_tokens in draw order, and a greedy step still drafts the deterministic tree."""
     from selfdraft.drafters.base import StepResult
-    from selfdraft.drafters.eagle import draw_without_replacement
+    from selfdraft.sampling import draw_without_replacement
 
     q = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.0, 0.0, 1.0, 0.0]])
     got = draw_without_replacement(q, 3, torch.Generator().manual_seed(0))

@@ -27,7 +27,7 @@ from torch import Tensor
 from selfdraft.cache import PreallocatedLayer
 from selfdraft.drafters.base import Draft, StepResult
 from selfdraft.kernels import fused_modules, large_products
-from selfdraft.sampling import SamplingConfig, logits_to_probs, sample
+from selfdraft.sampling import SamplingConfig, draw_without_replacement, logits_to_probs
 from selfdraft.tree import Tree, top_nodes_by_score, tree_from_parents
 
 
@@ -94,24 +94,23 @@ class EagleDrafter:
             fused_modules(self.head, getattr(self.head, "lm_head", None)),
             large_products(self.param.dtype, self.param.device, backlog),
         ):
-            if self.sample and not sampling.greedy:
-                tree, node_tokens, _, q = self.expand(tokens, sampling, generator)
-                # 3. keep the first total_tokens nodes in draw order (parents precede their children)
-                tree, keep = top_nodes_by_score(tree, -torch.arange(tree.size, dtype=torch.float), self.total_tokens)
-                return Draft(tree, node_tokens[keep], q[keep])
-            tree, node_tokens, scores = self.expand(tokens)
-        # 3. rerank
-        tree, keep = top_nodes_by_score(tree, scores, self.total_tokens)
-        return Draft(tree, node_tokens[keep])
+            drawn = self.sample and not sampling.greedy
+            tree, node_tokens, scores, q = self.expand(tokens, sampling if drawn else None, generator)
+        # 3. rerank (drawn children: keep the first total_tokens nodes in draw order; parents precede
+        # their children, so the kept set is ancestor-closed and each node keeps a prefix of its draws)
+        rank = -torch.arange(tree.size, dtype=torch.float) if drawn else scores
+        tree, keep = top_nodes_by_score(tree, rank, self.total_tokens)
+        return Draft(tree, node_tokens[keep], None if q is None else q[keep])
 
     @torch.inference_mode()
     def expand(
         self, tokens: Tensor, sampling: SamplingConfig | None = None, generator: torch.Generator | None = None
-    ) -> tuple[Tree, Tensor, Tensor] | tuple[Tree, Tensor, Tensor, Tensor]:
-        """Steps 1-2: every generated node as (tree, (n,) tokens, (n,) cumulative log-probabilities).
+    ) -> tuple[Tree, Tensor, Tensor, Tensor | None]:
+        """Steps 1-2: every generated node as (tree, (n,) tokens, (n,) cumulative log-probabilities, q).
 
-        With ``sampling`` (T > 0), children are drawn from q instead of taken top-k, and a fourth
-        value is returned: (n, V) the q each node's children were drawn from (zeros for leaves)."""
+        q is None for top-k children; with ``sampling`` (T > 0) children are drawn from the head's
+        distribution instead, and q is (n, V): the distribution each node's children were drawn
+        from (zeros for leaves)."""
         head, dev = self.head, self.param.device
         self.kv.length = self.committed  # 4. (of the previous step) drop last step's tree entries
         # 1. feed committed pairs
@@ -171,7 +170,7 @@ class EagleDrafter:
             frontier = best
         tree = tree_from_parents(parents)
         if sampling is None:
-            return tree, torch.tensor(node_tokens), torch.tensor(scores)
+            return tree, torch.tensor(node_tokens), torch.tensor(scores), None
         vocab = head.cfg.vocab_size if draft_ids is not None else next(iter(q_rows.values())).shape[-1]
         q_full = torch.zeros(tree.size, vocab)
         for node, q in q_rows.items():
@@ -181,17 +180,3 @@ class EagleDrafter:
                 q_full[node, draft_ids] = q
         return tree, torch.tensor(node_tokens), torch.tensor(scores), q_full
 
-
-def draw_without_replacement(q: Tensor, k: int, generator: torch.Generator | None) -> Tensor:
-    """(rows, V) probabilities -> (rows, k) token ids drawn one after another without replacement
-    (each from q renormalised over the tokens not drawn yet); -1 once a row has no mass left."""
-    q = q.clone()
-    out = torch.full((q.shape[0], k), -1, dtype=torch.long)
-    for j in range(k):
-        alive = q.sum(-1) > 0
-        if not bool(alive.any()):
-            break
-        picked = sample(q[alive], generator)
-        out[alive, j] = picked
-        q[alive.nonzero().flatten(), picked] = 0.0
-    return out
