@@ -146,6 +146,8 @@ def parse_decoder(spec: str) -> tuple[str, dict]:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"decoder option '{item}' in '{spec}' is not key=value")
+        if key.strip() == "temperature":
+            raise ValueError(f"'{spec}': the temperature is the run's, not a decoder option: give it with --temperature")
         options[key.strip()] = yaml.safe_load(value)
     return name.strip(), options
 
@@ -272,7 +274,8 @@ class DecoderRun:
         self.hf = name in ("hf", "hf_prompt_lookup")
         self.hf_lookup = name == "hf_prompt_lookup"
         # built once; generate() resets it for every prompt
-        self.drafter = None if self.hf or name == "plain" else build_drafter(name, target.model, **options)
+        self.drafter = None if self.hf or name == "plain" else build_drafter(name, target.model, cfg.sampling.temperature,
+                                                                                   **options)
         self.result = DecoderResult(decoder=spec)
         self.turns = 0
         self.generate(warmup, 0)

@@ -136,7 +136,7 @@ def _load(cfg: DecodeConfig, out: Output) -> tuple[Target, Drafter | None, Gener
         target = load_target(cfg.target, dtype=cfg.dtype)
         pbar.update(1)
         pbar.set_description(f"building drafter {cfg.drafter}")
-        drafter = build_drafter(spec[0], target.model, **spec[1]) if spec else None
+        drafter = build_drafter(spec[0], target.model, cfg.temperature, **spec[1]) if spec else None
         pbar.update(1)
     if not out.quiet:
         print(f"[loaded {cfg.target} in {time.perf_counter() - t0:.1f}s; drafter {cfg.drafter}]", file=sys.stderr)
@@ -188,7 +188,7 @@ def run_generate_batch(cfg: GenerateConfig, out: Output) -> None:
     factory = None
     if cfg.drafter != "none":
         name, options = parse_decoder(cfg.drafter)
-        factory = drafter_factory(name, target.model, **options)
+        factory = drafter_factory(name, target.model, cfg.temperature, **options)
     t0 = time.perf_counter()
     results = generate_batch(target.model, [target.encode_chat(t) for t in texts], factory, gen_cfg,
                              target.eos_token_ids, target.tokenizer, cfg.batch_size,

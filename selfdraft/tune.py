@@ -25,6 +25,12 @@ one best alone (docs/benchmarks.md, nineteenth session). The best few head trees
 head draft are therefore decoded for real, merged and gated as ``generate`` runs them, the trees
 taking turns prompt by prompt; greedy output is the same for all, so the least total time wins.
 The choice is saved under ``lookup`` in ``tune.json`` and read by ``head:path=DIR,lookup=N``.
+
+With ``temperature=T`` (> 0) the head tree for sampling is picked the same way, by decoding: at T a
+top-k child is accepted with the target's probability of it, not whenever it is the argmax, so the
+greedy profile says little; the trials are the one-token draft and the best trees, each with its
+children as the head's top-k and drawn from the head's q (``sample=true``). Saved under ``sampled``
+and used by head drafters built for sampling (``temperature`` > 0 in :func:`read_tuned`).
 """
 
 from __future__ import annotations
@@ -73,6 +79,9 @@ class TuneConfig:
     lookup: int = opt(0, "also pick the head tree to merge with an N-token prompt-lookup draft (head:path=DIR,lookup=N): "
                       "the best trees are decoded end to end with the speculation gate (0 = head alone only)")
     measure: int = opt(3, "with lookup: how many of the best head-alone trees to decode merged (plus a one-token draft)")
+    temperature: float = opt(0.0, "also pick the head tree for sampling at this temperature (> 0): the one-token draft and "
+                             "the best trees, children top-k and drawn from the head (sample=true), are decoded at it "
+                             "with the speculation gate; head drafters use the choice when generation samples")
     save: bool = opt(True, "write tune.json into the head folder")
     out: str = opt("", "also write the full measurements as JSON to this file")
 
@@ -86,12 +95,15 @@ def setup_differences(measured_on: dict, here: dict) -> dict[str, tuple]:
     return {k: (measured_on.get(k, False), v) for k, v in here.items() if measured_on.get(k, False) != v}
 
 
-def read_tuned(head_dir: str | Path, lookup: int = 0) -> dict:
+def read_tuned(head_dir: str | Path, lookup: int = 0, temperature: float = 0.0) -> dict:
     """The drafter options saved by ``selfdraft tune`` for this head ({} if it was never tuned, or
     tuned on a CPU setup unlike this one: that tune's timings say nothing here; a message says so).
 
     ``lookup`` > 0: the options tuned for the head merged with an N-token prompt-lookup draft; when
-    the head was tuned without that lookup, its head-alone options, with a message saying so."""
+    the head was tuned without that lookup, its head-alone options, with a message saying so.
+    ``temperature`` > 0 (the head alone): the options tuned for sampling (``tune --temperature``),
+    those of another temperature with a message; when there are none, the greedy ones with a message.
+    Merged with lookup, a sampling run takes the greedy merged choice (a merged tree is deterministic)."""
     path = Path(head_dir) / TUNE_FILE
     if not path.is_file():
         return {}
@@ -103,6 +115,16 @@ def read_tuned(head_dir: str | Path, lookup: int = 0) -> dict:
               f"`selfdraft tune --head {head_dir}` here to pick a tree for this machine", file=sys.stderr)
         return {}
     merged = tuned.get("lookup") or {}
+    sampled = tuned.get("sampled")
+    if temperature > 0 and not lookup and sampled:
+        if abs(sampled["temperature"] - temperature) > 1e-6:
+            print(f"[tune] {path}: using the tree tuned for temperature {sampled['temperature']} at temperature "
+                  f"{temperature}; `selfdraft tune --head {head_dir} --temperature {temperature}` tunes for this one",
+                  file=sys.stderr)
+        return dict(sampled["drafter_options"])
+    if temperature > 0 and not lookup:
+        print(f"[tune] {path} holds the tree tuned for greedy decoding; `selfdraft tune --head {head_dir} "
+              f"--temperature {temperature}` picks one for sampling", file=sys.stderr)
     if lookup and merged.get("num_tokens") == lookup:
         return dict(merged["drafter_options"])
     if lookup:
@@ -285,9 +307,9 @@ def tree_key(options: dict) -> str:
     return json.dumps(options, sort_keys=True)
 
 
-def merged_trials(kind: str, candidates: list[dict], count: int) -> list[dict]:
-    """Head drafter options to try merged with lookup: a one-token draft, then the ``count`` best
-    head-alone candidates by expected tokens/s that build other trees."""
+def trial_trees(kind: str, candidates: list[dict], count: int) -> list[dict]:
+    """Head drafter options to decode for real: a one-token draft, then the ``count`` best head-alone
+    candidates by expected tokens/s that build other trees."""
     one = {"paths": [[0]]} if kind == "medusa" else {"depth": 1, "top_k": 1, "total_tokens": 1}
     trials, seen = [one], {tree_key(one)}
     for c in sorted(candidates, key=lambda c: -c["expected_tokens_per_s"]):
@@ -299,47 +321,80 @@ def merged_trials(kind: str, candidates: list[dict], count: int) -> list[dict]:
     return trials
 
 
-MERGED_TIE = 0.03
-"""Merged trials within this fraction of the fastest (about the timing noise of one pass over a few
+TIE = 0.03
+"""Decoded trials within this fraction of the fastest (about the timing noise of one pass over a few
 prompts here) count as tied, and the smallest tree among them wins: a cheaper head step keeps the
 gate drafting on more steps when the prompts turn out less predictable than the tuning ones."""
+
+
+def tree_size(options: dict) -> int:
+    return len(options["paths"]) if "paths" in options else options["total_tokens"]
+
+
+def measure_trials(model: nn.Module, prompts: list[list[int]], trials: list[dict], build: Callable[[dict], Drafter],
+                   references: dict[str, Callable[[], Drafter | None]], gen: GenerationConfig,
+                   eos_token_ids: Sequence[int]) -> dict:
+    """Decode a drafter ``build(options)`` of every trial and the reference decoders on the prompts,
+    in turns (:func:`decode_time`); the fastest trial by tokens/s wins, the smallest tree of those
+    within TIE of it. Returns {"drafter_options", "measured_tokens_per_s", "measured_tau", "trials",
+    "reference"}."""
+    factories = dict(references)
+    for i, options in enumerate(trials):
+        factories[f"trial {i}"] = lambda o=options: build(o)
+    measured = decode_time(model, prompts, factories, gen, eos_token_ids)
+    rows = [{"drafter_options": o, "nodes": tree_size(o), **measured[f"trial {i}"]} for i, o in enumerate(trials)]
+    fastest = max(r["tokens_per_s"] for r in rows)
+    best = min((r for r in rows if r["tokens_per_s"] * (1 + TIE) >= fastest), key=lambda r: (r["nodes"], -r["tokens_per_s"]))
+    return {"drafter_options": best["drafter_options"], "measured_tokens_per_s": best["tokens_per_s"],
+            "measured_tau": best["tau"], "trials": rows, "reference": {name: measured[name] for name in references}}
 
 
 def tune_merged(model: nn.Module, head: nn.Module, kind: str, prompts: list[list[int]], candidates: list[dict],
                 cfg: TuneConfig, eos_token_ids: Sequence[int]) -> dict:
     """Decode the trial head trees merged with cfg.lookup-token prompt lookup (gated, greedy), with
-    plain decoding and lookup alone alongside for reference; the fastest merged tree wins (the
-    smallest of those within MERGED_TIE of it)."""
+    plain decoding and lookup alone alongside for reference (:func:`measure_trials`)."""
     from selfdraft.drafters import MergedDrafter, PromptLookupDrafter
     from selfdraft.heads import head_type
 
-    trials = merged_trials(kind, candidates, cfg.measure)
-    sizes = [len(o["paths"]) if "paths" in o else o["total_tokens"] for o in trials]
-    factories: dict[str, Callable[[], Drafter | None]] = {"plain": lambda: None,
-                                                          "prompt_lookup": lambda: PromptLookupDrafter(num_tokens=cfg.lookup)}
-    for i, options in enumerate(trials):
-        factories[f"merged {i}"] = lambda o=options: MergedDrafter([head_type(kind).drafter(head, **o),
-                                                                     PromptLookupDrafter(num_tokens=cfg.lookup)])
+    trials = trial_trees(kind, candidates, cfg.measure)
+    references: dict[str, Callable[[], Drafter | None]] = {
+        "plain": lambda: None, "prompt_lookup": lambda: PromptLookupDrafter(num_tokens=cfg.lookup)}
     print(f"[tune] decoding {len(trials)} head trees merged with lookup={cfg.lookup} on {len(prompts)} prompts (gated, greedy)")
-    measured = decode_time(model, prompts, factories, GenerationConfig(max_new_tokens=cfg.max_new_tokens, auto_off=True),
-                           eos_token_ids)
-    rows = [{"drafter_options": o, "nodes": nodes, **measured[f"merged {i}"]} for i, (o, nodes) in enumerate(zip(trials, sizes))]
-    fastest = min(r["seconds"] for r in rows)
-    best = min((r for r in rows if r["seconds"] <= fastest * (1 + MERGED_TIE)), key=lambda r: (r["nodes"], r["seconds"]))
-    return {"num_tokens": cfg.lookup, "drafter_options": best["drafter_options"], "measured_tokens_per_s": best["tokens_per_s"],
-            "measured_tau": best["tau"], "trials": rows,
-            "reference": {name: measured[name] for name in ("plain", "prompt_lookup")}}
+    merged = measure_trials(
+        model, prompts, trials,
+        lambda o: MergedDrafter([head_type(kind).drafter(head, **o), PromptLookupDrafter(num_tokens=cfg.lookup)]),
+        references, GenerationConfig(max_new_tokens=cfg.max_new_tokens, auto_off=True), eos_token_ids)
+    return {"num_tokens": cfg.lookup, **merged}
 
 
-def format_merged(merged: dict) -> str:
-    """The merged trials' measured speed, against plain decoding and lookup alone."""
-    plain = merged["reference"]["plain"]["tokens_per_s"]
-    lines = [f"{'head tree merged with lookup=' + str(merged['num_tokens']):<48} {'tau':>5} {'tok/s':>7} {'x plain':>7}"]
+def tune_sampled(model: nn.Module, head: nn.Module, kind: str, prompts: list[list[int]], candidates: list[dict],
+                 cfg: TuneConfig, eos_token_ids: Sequence[int]) -> dict:
+    """Decode the trial head trees sampling at cfg.temperature (gated, seeded per run), plain decoding
+    alongside: the greedy acceptance profile does not carry over (a top-k child is accepted with the
+    target's p of it, not when it is the argmax). EAGLE trials come twice: children as the head's
+    top-k, and drawn from the head's q (``sample=true``)."""
+    from selfdraft.heads import head_type
+    from selfdraft.sampling import SamplingConfig
+
+    trials = trial_trees(kind, candidates, cfg.measure)
+    if kind in ("eagle1", "eagle3"):
+        trials = [o for t in trials for o in (t, {**t, "sample": True})]
+    print(f"[tune] decoding {len(trials)} head trees at temperature {cfg.temperature} on {len(prompts)} prompts (gated)")
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=SamplingConfig(cfg.temperature), seed=0, auto_off=True)
+    sampled = measure_trials(model, prompts, trials, lambda o: head_type(kind).drafter(head, **o),
+                             {"plain": lambda: None}, gen, eos_token_ids)
+    return {"temperature": cfg.temperature, **sampled}
+
+
+def format_trials(title: str, section: dict) -> str:
+    """Decoded trials' measured speed, against the reference decoders (plain decoding last)."""
+    plain = section["reference"]["plain"]["tokens_per_s"]
+    lines = [f"{title:<56} {'tau':>5} {'tok/s':>7} {'x plain':>7}"]
     rows = [(json.dumps(r["drafter_options"]) if "paths" not in r["drafter_options"] else
-             f"{len(r['drafter_options']['paths'])} Medusa paths", r) for r in merged["trials"]]
-    rows += [(f"({name} alone)", r) for name, r in merged["reference"].items() if name != "plain"]
-    for label, r in rows + [("(plain decoding)", merged["reference"]["plain"])]:
-        lines.append(f"{label:<48} {r['tau']:>5.2f} {r['tokens_per_s']:>7.1f} {r['tokens_per_s'] / plain:>6.2f}x")
+             f"{len(r['drafter_options']['paths'])} Medusa paths", r) for r in section["trials"]]
+    rows += [(f"({name} alone)", r) for name, r in section["reference"].items() if name != "plain"]
+    for label, r in rows + [("(plain decoding)", section["reference"]["plain"])]:
+        lines.append(f"{label:<56} {r['tau']:>5.2f} {r['tokens_per_s']:>7.1f} {r['tokens_per_s'] / plain:>6.2f}x")
     return "\n".join(lines)
 
 
@@ -356,8 +411,8 @@ def main(cfg: TuneConfig) -> dict:
         raise ValueError("give the head folder to tune: selfdraft tune --head DIR")
     if cfg.max_nodes < 1 or cfg.max_depth < 1:
         raise ValueError(f"max_nodes and max_depth must be >= 1, got {cfg.max_nodes}, {cfg.max_depth}")
-    if cfg.lookup < 0 or cfg.measure < 0:
-        raise ValueError(f"lookup and measure must be >= 0, got {cfg.lookup}, {cfg.measure}")
+    if cfg.lookup < 0 or cfg.measure < 0 or cfg.temperature < 0:
+        raise ValueError(f"lookup, measure and temperature must be >= 0, got {cfg.lookup}, {cfg.measure}, {cfg.temperature}")
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     target = load_target(cfg.target, dtype=cfg.dtype)
     model = target.model
@@ -437,7 +492,10 @@ def main(cfg: TuneConfig) -> dict:
     print(format_table(candidates, plain_tps))
     if cfg.lookup:
         result["lookup"] = tune_merged(model, head, kind, prompts, candidates, cfg, target.eos_token_ids)
-        print(format_merged(result["lookup"]))
+        print(format_trials(f"head tree merged with lookup={cfg.lookup}", result["lookup"]))
+    if cfg.temperature > 0:
+        result["sampled"] = tune_sampled(model, head, kind, prompts, candidates, cfg, target.eos_token_ids)
+        print(format_trials(f"head tree at temperature {cfg.temperature}", result["sampled"]))
     chosen = f"{best['nodes']} Medusa paths" if kind == "medusa" else str(best["drafter_options"])
     print(f"[tune] chosen: {chosen} -> expected tau {best['tau']:.2f}, {best['expected_tokens_per_s']:.1f} tok/s "
           f"(plain decoding {plain_tps:.1f} tok/s)")
@@ -450,14 +508,24 @@ def main(cfg: TuneConfig) -> dict:
               f"{merged['measured_tokens_per_s']:.1f} tok/s (plain {merged['reference']['plain']['tokens_per_s']:.1f}, "
               f"lookup alone {merged['reference']['prompt_lookup']['tokens_per_s']:.1f})")
         fastest = max(t["tokens_per_s"] for t in merged["trials"])
-        if merged["reference"]["prompt_lookup"]["tokens_per_s"] > fastest * (1 + MERGED_TIE):
+        if merged["reference"]["prompt_lookup"]["tokens_per_s"] > fastest * (1 + TIE):
             print(f"[tune] prompt lookup alone measured faster than every merged tree on these prompts: the head "
                   f"adds drafting and verification cost for tokens lookup already copies; on text like this, "
                   f"--drafter prompt_lookup:num_tokens={cfg.lookup} is the faster choice")
+    if cfg.temperature > 0:
+        sampled = result["sampled"]
+        print(f"[tune] chosen at temperature {cfg.temperature}: {sampled['drafter_options']} -> measured tau "
+              f"{sampled['measured_tau']:.2f}, {sampled['measured_tokens_per_s']:.1f} tok/s "
+              f"(plain {sampled['reference']['plain']['tokens_per_s']:.1f})")
+        if sampled["reference"]["plain"]["tokens_per_s"] > sampled["measured_tokens_per_s"] * (1 + TIE):
+            print(f"[tune] at temperature {cfg.temperature} plain decoding measured faster than every head tree on "
+                  "these prompts: the target's sampled text is too unpredictable for this head to pay; with auto_off "
+                  "(the default) the engine decodes plainly while drafting measures slower")
     if cfg.save:
         path = write_text_atomic(Path(cfg.head) / TUNE_FILE, json.dumps(result, indent=2))
         print(f"[tune] saved to {path}; head:path={cfg.head} now drafts with it by default"
-              + (f", head:path={cfg.head},lookup={cfg.lookup} with the merged choice" if cfg.lookup else ""))
+              + (f", head:path={cfg.head},lookup={cfg.lookup} with the merged choice" if cfg.lookup else "")
+              + (", and with the sampled choice when generating at temperature > 0" if cfg.temperature > 0 else ""))
     if cfg.out:
         Path(cfg.out).write_text(json.dumps({**result, "candidates": candidates}, indent=2))
     return result

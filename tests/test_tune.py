@@ -13,7 +13,7 @@ from selfdraft.drafters.eagle import EagleDrafter
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.heads import Eagle1Config, Eagle1Head, save
 from selfdraft.tune import (
-    MERGED_TIE,
+    TIE,
     ProfileRecorder,
     TuneConfig,
     main,
@@ -126,9 +126,9 @@ def test_tune_with_lookup_decodes_the_merged_trees_and_saves_the_fastest(fitted,
     tokens = {t["tokens"] for t in trials} | {r["tokens"] for r in merged["reference"].values()}
     assert len(tokens) == 1 and tokens.pop() > 0, "greedy decoding commits the same tokens whatever the drafter"
     assert merged["reference"]["plain"]["tau"] == 1.0, "a plain step commits one token (the prefill's is not a step)"
-    fastest = min(t["seconds"] for t in trials)
-    tied = [t for t in trials if t["seconds"] <= fastest * (1 + MERGED_TIE)]
-    assert merged["drafter_options"] == min(tied, key=lambda t: (t["nodes"], t["seconds"]))["drafter_options"]
+    fastest = max(t["tokens_per_s"] for t in trials)
+    tied = [t for t in trials if t["tokens_per_s"] * (1 + TIE) >= fastest]
+    assert merged["drafter_options"] == min(tied, key=lambda t: (t["nodes"], -t["tokens_per_s"]))["drafter_options"]
     assert merged["num_tokens"] == 4
     assert read_tuned(head_dir, lookup=4) == merged["drafter_options"]
     drafter = build_drafter("head", target.model, path=str(head_dir), lookup=4)
@@ -137,6 +137,61 @@ def test_tune_with_lookup_decodes_the_merged_trees_and_saves_the_fastest(fitted,
     capsys.readouterr()
     assert read_tuned(head_dir, lookup=7) == result["drafter_options"]
     assert "not merged with lookup=7" in capsys.readouterr().err
+
+
+def test_tune_at_a_temperature_decodes_sampled_trials_and_sampling_runs_use_them(fitted, tiny_target_dir, tmp_path, capsys):
+    """Guards --temperature: the one-token draft and the best tree are decoded sampling at T, each with
+    top-k children and with children drawn from q (sample=true); the fastest (smallest within TIE) is
+    saved under "sampled"; head drafters built for sampling use it, greedy ones keep the greedy tree,
+    another temperature uses it with a message, and a decoder spec cannot set the temperature."""
+    from selfdraft.benchmark import parse_decoder
+
+    target, head_dir, cfg = tune_setup(fitted, tiny_target_dir, tmp_path, ["abc abc abc abc", "hello there hello there"],
+                                       temperature=1.0, measure=1)
+    result = main(cfg)
+    sampled = result["sampled"]
+    trials = sampled["trials"]
+    options = [t["drafter_options"] for t in trials]
+    assert options[:2] == [{"depth": 1, "top_k": 1, "total_tokens": 1}, {"depth": 1, "top_k": 1, "total_tokens": 1, "sample": True}]
+    assert len(trials) in (2, 4) and all(o.get("sample") for o in options[1::2]) and not any(o.get("sample") for o in options[::2])
+    assert all(t["tokens"] > 0 and t["tau"] >= 1.0 for t in trials) and sampled["reference"]["plain"]["tau"] == 1.0
+    fastest = max(t["tokens_per_s"] for t in trials)
+    tied = [t for t in trials if t["tokens_per_s"] * (1 + TIE) >= fastest]
+    assert sampled["drafter_options"] == min(tied, key=lambda t: (t["nodes"], -t["tokens_per_s"]))["drafter_options"]
+    assert sampled["temperature"] == 1.0
+    capsys.readouterr()
+    assert read_tuned(head_dir, temperature=1.0) == sampled["drafter_options"]
+    assert read_tuned(head_dir) == result["drafter_options"], "greedy runs keep the greedy choice"
+    assert capsys.readouterr().err == ""
+    assert read_tuned(head_dir, temperature=0.7) == sampled["drafter_options"]
+    assert "tuned for temperature 1.0" in capsys.readouterr().err
+    drafter = build_drafter("head", target.model, 1.0, path=str(head_dir))
+    assert (drafter.total_tokens, drafter.sample) == (sampled["drafter_options"]["total_tokens"],
+                                                      sampled["drafter_options"].get("sample", False))
+    with pytest.raises(ValueError, match="--temperature"):
+        parse_decoder(f"head:path={head_dir},temperature=1")
+
+
+def test_read_tuned_picks_the_section_for_the_run(tmp_path, capsys):
+    """Guards read_tuned's choice among tune.json's sections: greedy alone, merged with lookup (greedy
+    or sampled: a merged tree is deterministic), sampled alone; at T > 0 without a sampled tune, the
+    greedy tree with the command that tunes for T."""
+    from selfdraft.kernels import cpu_report
+    from selfdraft.tune import TUNE_FILE
+
+    greedy, merged, sampled = ({"depth": 2, "top_k": 2, "total_tokens": 4}, {"depth": 1, "top_k": 1, "total_tokens": 1},
+                               {"depth": 1, "top_k": 2, "total_tokens": 2, "sample": True})
+    tune = {"drafter_options": greedy, "tuned_for": cpu_report()}
+    (tmp_path / TUNE_FILE).write_text(json.dumps(tune))
+    assert read_tuned(tmp_path, temperature=0.8) == greedy
+    assert "--temperature 0.8" in capsys.readouterr().err
+    tune |= {"lookup": {"num_tokens": 10, "drafter_options": merged}, "sampled": {"temperature": 1.0, "drafter_options": sampled}}
+    (tmp_path / TUNE_FILE).write_text(json.dumps(tune))
+    assert read_tuned(tmp_path) == greedy
+    assert read_tuned(tmp_path, temperature=1.0) == sampled
+    assert read_tuned(tmp_path, lookup=10) == merged
+    assert read_tuned(tmp_path, lookup=10, temperature=1.0) == merged
+    assert capsys.readouterr().err == ""
 
 
 def test_tree_key_tells_apart_only_different_trees():

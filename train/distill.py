@@ -130,7 +130,7 @@ def main(cfg: DistillConfig) -> Path:
     gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=SamplingConfig(cfg.temperature),
                                on_context_overflow="truncate")
     name, options = parse_decoder(cfg.drafter) if cfg.drafter != "none" else (None, {})
-    make_drafter = drafter_factory(name, target.model, **options) if name else None  # a head folder is read once
+    make_drafter = drafter_factory(name, target.model, cfg.temperature, **options) if name else None  # head folder read once
     todo = [(idx, messages) for idx, messages in enumerate(conversations) if idx not in done]
     # conversations regenerated together (turn by turn) before they are written: one at a time
     # without batching (a crash loses at most one), four batches' worth with it (slots stay full)

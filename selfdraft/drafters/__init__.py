@@ -26,11 +26,13 @@ def _head(target: nn.Module, path: str, **options) -> Drafter:
     return _head_factory(target, path, **options)()
 
 
-def _head_factory(target: nn.Module, path: str, lookup: int = 0, **options) -> Callable[[], Drafter]:
+def _head_factory(target: nn.Module, path: str, lookup: int = 0, temperature: float = 0.0, **options) -> Callable[[], Drafter]:
     """Read the head folder once; drafters built from it share the head module. Options default to
     the folder's tune.json (the tree ``selfdraft tune`` picked for this machine; with ``lookup=N`` the
-    one it picked to merge with lookup, ``selfdraft tune --lookup N``). ``lookup=N`` (> 0) merges a
-    prompt-lookup continuation of up to N tokens into every head tree (MergedDrafter)."""
+    one it picked to merge with lookup, ``selfdraft tune --lookup N``; at ``temperature`` > 0, the
+    generation's sampling temperature, the one it picked for sampling, ``selfdraft tune --temperature``).
+    ``lookup=N`` (> 0) merges a prompt-lookup continuation of up to N tokens into every head tree
+    (MergedDrafter)."""
     from selfdraft.heads import head_type, load_head
     from selfdraft.tune import read_tuned
 
@@ -38,7 +40,7 @@ def _head_factory(target: nn.Module, path: str, lookup: int = 0, **options) -> C
     if lookup < 0:
         raise ValueError(f"lookup must be >= 0 draft tokens, got {lookup}")
     kind, head, _ = load_head(path, target)
-    tuned = read_tuned(path, lookup)
+    tuned = read_tuned(path, lookup, temperature)
     if tuned:
         shown = {k: v for k, v in tuned.items() if k != "paths"} or f"{len(tuned['paths'])} paths"
         print(f"[head] tree tuned for this machine (tune.json): {shown}; options given here override it", file=sys.stderr)
@@ -59,14 +61,15 @@ DRAFTERS: dict[str, Callable[..., Drafter]] = {
 }
 
 
-def drafter_factory(name: str, target: nn.Module, **options) -> Callable[[], Drafter]:
+def drafter_factory(name: str, target: nn.Module, temperature: float = 0.0, **options) -> Callable[[], Drafter]:
     """A function that builds fresh drafters (one per sequence of a batch) sharing what can be shared
-    (a head folder is read once). Builds one drafter right away so bad options fail here."""
+    (a head folder is read once). Builds one drafter right away so bad options fail here.
+    ``temperature``: the sampling temperature the drafters will run at (a head picks its tuned tree by it)."""
     if name == "head":
         if "path" not in options:
             raise ValueError("the head drafter needs path=HEAD_DIR")
         try:
-            factory = _head_factory(target, **options)
+            factory = _head_factory(target, temperature=temperature, **options)
             factory()
         except TypeError as err:
             raise ValueError(f"bad options for drafter 'head': {err}") from err
@@ -75,11 +78,14 @@ def drafter_factory(name: str, target: nn.Module, **options) -> Callable[[], Dra
     return lambda: build_drafter(name, target, **options)
 
 
-def build_drafter(name: str, target: nn.Module, **options) -> Drafter:
-    """Build the drafter registered under ``name`` for ``target``; unknown names list the known ones."""
+def build_drafter(name: str, target: nn.Module, temperature: float = 0.0, **options) -> Drafter:
+    """Build the drafter registered under ``name`` for ``target``; unknown names list the known ones.
+    ``temperature``: the sampling temperature it will run at (a head picks its tuned tree by it)."""
     if name not in DRAFTERS:
         raise KeyError(f"unknown drafter '{name}'; known: {', '.join(sorted(DRAFTERS))}")
     try:
+        if name == "head":
+            return DRAFTERS[name](target, temperature=temperature, **options)
         return DRAFTERS[name](target, **options)
     except TypeError as err:
         raise ValueError(f"bad options for drafter '{name}': {err}") from err
