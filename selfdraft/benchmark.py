@@ -274,8 +274,8 @@ class DecoderRun:
         self.hf = name in ("hf", "hf_prompt_lookup")
         self.hf_lookup = name == "hf_prompt_lookup"
         # built once; generate() resets it for every prompt
-        self.drafter = None if self.hf or name == "plain" else build_drafter(name, target.model, cfg.sampling.temperature,
-                                                                                   **options)
+        temperature = cfg.sampling.temperature  # a head picks the tree tuned for it
+        self.drafter = None if self.hf or name == "plain" else build_drafter(name, target.model, temperature, **options)
         self.result = DecoderResult(decoder=spec)
         self.turns = 0
         self.generate(warmup, 0)
