@@ -386,6 +386,13 @@ def tune_sampled(model: nn.Module, head: nn.Module, kind: str, prompts: list[lis
     return {"temperature": cfg.temperature, **sampled}
 
 
+def beaten_by(section: dict, reference: str) -> bool:
+    """Whether a reference decoder of a :func:`measure_trials` section measured faster than every
+    trial by more than TIE."""
+    fastest = max(t["tokens_per_s"] for t in section["trials"])
+    return section["reference"][reference]["tokens_per_s"] > fastest * (1 + TIE)
+
+
 def format_trials(title: str, section: dict) -> str:
     """Decoded trials' measured speed, against the reference decoders (plain decoding last)."""
     plain = section["reference"]["plain"]["tokens_per_s"]
@@ -507,8 +514,7 @@ def main(cfg: TuneConfig) -> dict:
         print(f"[tune] chosen with lookup={cfg.lookup}: {merged['drafter_options']} -> measured tau {merged['measured_tau']:.2f}, "
               f"{merged['measured_tokens_per_s']:.1f} tok/s (plain {merged['reference']['plain']['tokens_per_s']:.1f}, "
               f"lookup alone {merged['reference']['prompt_lookup']['tokens_per_s']:.1f})")
-        fastest = max(t["tokens_per_s"] for t in merged["trials"])
-        if merged["reference"]["prompt_lookup"]["tokens_per_s"] > fastest * (1 + TIE):
+        if beaten_by(merged, "prompt_lookup"):
             print(f"[tune] prompt lookup alone measured faster than every merged tree on these prompts: the head "
                   f"adds drafting and verification cost for tokens lookup already copies; on text like this, "
                   f"--drafter prompt_lookup:num_tokens={cfg.lookup} is the faster choice")
@@ -517,8 +523,7 @@ def main(cfg: TuneConfig) -> dict:
         print(f"[tune] chosen at temperature {cfg.temperature}: {sampled['drafter_options']} -> measured tau "
               f"{sampled['measured_tau']:.2f}, {sampled['measured_tokens_per_s']:.1f} tok/s "
               f"(plain {sampled['reference']['plain']['tokens_per_s']:.1f})")
-        fastest = max(t["tokens_per_s"] for t in sampled["trials"])
-        if sampled["reference"]["plain"]["tokens_per_s"] > fastest * (1 + TIE):
+        if beaten_by(sampled, "plain"):
             print(f"[tune] at temperature {cfg.temperature} plain decoding measured faster than every head tree on "
                   "these prompts: the target's sampled text is too unpredictable for this head to pay; with auto_off "
                   "(the default) the engine decodes plainly while drafting measures slower")
