@@ -9,7 +9,7 @@ from conftest import VOCAB, random_prompt, tiny_model
 from selfdraft.drafters.eagle import EagleDrafter
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.heads import Eagle1Config, Eagle1Head, load_head, save
-from selfdraft.heads.eagle1 import eagle1_loss
+from selfdraft.heads.eagle1 import eagle1_loss, next_rows
 
 
 def make_head(model, seed=0, scale=1.0):
@@ -64,6 +64,25 @@ def test_eagle1_loss_matches_hand_computation():
     assert torch.allclose(losses[1], want_tok, atol=1e-5), (losses[1], want_tok)
     assert torch.allclose(loss, want_feat + 0.25 * want_tok, atol=1e-5)
     assert abs(float(accs[0]) - sum(hits) / len(hits)) < 1e-6
+
+
+def test_eagle1_loss_takes_the_rows_it_reads():
+    """Guards training's shortcut: the target's logits given only at the rows the loss reads (t+1 of
+    each trained position, row-major; what train.py projects) give the full-logits loss, padding included."""
+    model = tiny_model("llama")
+    head = make_head(model)
+    torch.manual_seed(3)
+    features = torch.randn(2, 7, model.config.hidden_size)
+    ids = torch.randint(3, VOCAB, (2, 7))
+    target_logits = torch.randn(2, 7, VOCAB)
+    lmask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0, 0]])
+    attn = torch.tensor([[1] * 7, [1, 1, 1, 1, 1, 0, 0]])
+    rows = next_rows(target_logits, lmask, attn)
+    assert rows.shape[0] == 4 + 3  # t = 1..4 of the first; t = 0..2 of the second (t+2 = 4 its last real token)
+    with torch.no_grad():
+        full = eagle1_loss(head, features, ids, target_logits, lmask, attn, 1.0, 0.25)
+        picked = eagle1_loss(head, features, ids, rows, lmask, attn, 1.0, 0.25)
+    assert torch.allclose(full[0], picked[0]) and torch.allclose(full[1][1], picked[1][1])
 
 
 def test_eagle1_training_steps_lower_loss():

@@ -300,7 +300,7 @@ def test_medusa2_combined_loss_by_hand():
         terms = [torch.nn.functional.cross_entropy(out.logits[b, t], ids[b, t + 1])
                  for b in range(2) for t in range(8) if lmask[b, t + 1]]
         lm = torch.stack(terms).mean()
-        head_total, _, _ = medusa_loss(heads(out.hidden_states[-1]), ids, lmask, 0.5)
+        head_total, _, _ = medusa_loss(heads, out.hidden_states[-1], ids, lmask, 0.5)
     assert torch.allclose(parts["lm"], lm, atol=1e-5), (parts["lm"], lm)
     assert torch.allclose(loss, 0.3 * lm + head_total, atol=1e-5)
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}

@@ -40,7 +40,7 @@ from selfdraft.heads.artifact import (
     weights_digest,
     weights_fingerprint,
 )
-from selfdraft.heads.eagle1 import Eagle1Config
+from selfdraft.heads.eagle1 import Eagle1Config, next_rows
 from selfdraft.heads.eagle3 import Eagle3Config, select_draft_vocab
 from selfdraft.heads.medusa import MedusaConfig, medusa_loss
 from selfdraft.heads.medusa2 import Medusa2, attach_lora
@@ -149,15 +149,16 @@ def head_loss(cfg: TrainConfig, head, target, batch, feats: dict | None = None) 
     last = feats[-1]
     if cfg.head == "medusa":
         dtype = next(head.parameters()).dtype  # fp32 heads on a bf16 target without autocast
-        loss, losses, accs = medusa_loss(head(last.to(dtype)), ids, lmask, cfg.loss_decay)
+        loss, losses, accs = medusa_loss(head, last.to(dtype), ids, lmask, cfg.loss_decay)
     else:
         # the target's logits from its (shared, frozen) lm_head, in fp32 where bf16 products are slow
         with torch.no_grad(), matmul_mode(lm_head.weight.dtype, lm_head.weight.device, ids.numel()):
             if cfg.head == "eagle3":  # only the draft vocabulary's rows: the loss reads nothing else
                 rows = lm_head.weight[(head.module if hasattr(head, "module") else head).draft_ids]
                 logits = torch.nn.functional.linear(last.to(rows.dtype), rows)
-            else:
-                logits = lm_head(last.to(lm_head.weight.dtype))
+            else:  # eagle1: the rows its loss reads only (full-vocabulary products are most of a step)
+                rows = next_rows(last, lmask, attn)
+                logits = lm_head(rows.to(lm_head.weight.dtype))
         # through the (possibly DDP-wrapped) module's forward, so gradients are synchronised
         if cfg.head == "eagle1":
             noise = cfg.feature_noise if head.training else 0.0

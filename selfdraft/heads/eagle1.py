@@ -106,6 +106,19 @@ class Eagle1Head(nn.Module):
                            feature_weight, token_weight, noise)
 
 
+def trained_positions(loss_mask: Tensor, attention_mask: Tensor) -> Tensor:
+    """(b, s) positions t that EAGLE-1 trains: token t+1 is trained (assistant) and t+2 exists."""
+    b = loss_mask.shape[0]
+    valid = torch.cat([loss_mask[:, 1:], loss_mask.new_zeros(b, 1)], 1).bool()
+    return valid & torch.cat([attention_mask[:, 2:], attention_mask.new_zeros(b, 2)], 1).bool()
+
+
+def next_rows(x: Tensor, loss_mask: Tensor, attention_mask: Tensor) -> Tensor:
+    """(b, s, ...) -> (n, ...): x at t+1 for each trained position t, row-major (the target feature
+    and logits the loss reads; the last position is never trained)."""
+    return x[:, 1:][trained_positions(loss_mask, attention_mask)[:, :-1]]
+
+
 def eagle1_loss(
     head: Eagle1Head,
     features: Tensor,
@@ -120,10 +133,12 @@ def eagle1_loss(
     """EAGLE-1 loss: feature_weight * SmoothL1(f̂_{t+1}, f_{t+1}) + token_weight * CE(p_{t+1}, q_{t+1}).
 
     features: (b, s, H) target post-norm hidden states; input_ids, loss_mask, attention_mask: (b, s);
-    target_logits: (b, s, V). Position t (input: f_t and token t+1) predicts f_{t+1}; it is trained
-    where token t+1 is a trained (assistant) token and t+2 exists. ``noise``: width of uniform noise
-    added to the input features (EAGLE's robustness trick; 0 = off). Returns (loss, [feature loss,
-    token loss], [top-1 accuracy of the draft token against the target's argmax]).
+    target_logits: (b, s, V), or (n, V): the rows the loss reads only (:func:`next_rows`; projecting
+    every position through the full vocabulary is most of a training step). Position t (input: f_t
+    and token t+1) predicts f_{t+1}; it is trained where token t+1 is a trained (assistant) token
+    and t+2 exists. ``noise``: width of uniform noise added to the input features (EAGLE's
+    robustness trick; 0 = off). Returns (loss, [feature loss, token loss], [top-1 accuracy of the
+    draft token against the target's argmax]).
     """
     b, s, _ = features.shape
     inputs = features
@@ -136,15 +151,14 @@ def eagle1_loss(
     mask = torch.tril(torch.ones(s, s, dtype=torch.bool, device=features.device))[None, None]
     mask = mask & attention_mask.bool()[:, None, None, :]
     pred = head.complete(residual, q, k, v, mask)
-    target_feat = torch.cat([features[:, 1:], features.new_zeros(b, 1, features.shape[-1])], 1)
-    target_next = torch.cat([target_logits[:, 1:], target_logits.new_zeros(b, 1, target_logits.shape[-1])], 1)
-    valid = torch.cat([loss_mask[:, 1:], loss_mask.new_zeros(b, 1)], 1).bool()
-    valid &= torch.cat([attention_mask[:, 2:], attention_mask.new_zeros(b, 2)], 1).bool()
+    valid = trained_positions(loss_mask, attention_mask)
     if not bool(valid.any()):
         zero = pred.sum().float() * 0.0
         return zero, [zero.detach(), zero.detach()], [zero.detach()]
-    feat_loss = nn.functional.smooth_l1_loss(pred[valid].float(), target_feat[valid].float())
-    p = torch.softmax(target_next[valid].float(), -1)
+    feat_loss = nn.functional.smooth_l1_loss(pred[valid].float(), next_rows(features, loss_mask, attention_mask).float())
+    if target_logits.dim() == 3:
+        target_logits = next_rows(target_logits, loss_mask, attention_mask)
+    p = torch.softmax(target_logits.float(), -1)
     logq = torch.log_softmax(head.logits(pred[valid]).float(), -1)
     tok_loss = -(p * logq).sum(-1).mean()
     acc = (logq.argmax(-1) == p.argmax(-1)).float().mean()

@@ -72,36 +72,51 @@ class MedusaHeads(nn.Module):
     def features(self, hidden: Tensor) -> list[Tensor]:
         return [block(hidden) for block in self.blocks]
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        feats = self.features(hidden)
+    def project(self, k: int, feature: Tensor) -> Tensor:
+        """Head ``k``'s vocabulary logits of its states ``feature``."""
         if self.lm_heads is not None:
-            return torch.stack([head(f) for head, f in zip(self.lm_heads, feats)])
+            return self.lm_heads[k](feature)
         if self.target_lm_head is None:
             raise RuntimeError("MedusaHeads with share_lm_head=True needs attach(target.lm_head) first")
-        return torch.stack([shared_projection(self.target_lm_head, f) for f in feats])
+        return shared_projection(self.target_lm_head, feature)
+
+    def forward(self, hidden: Tensor, select: list[Tensor] | None = None) -> Tensor | list[Tensor]:
+        """(..., hidden) -> (K, ..., vocab) logits. With ``select`` (one boolean mask per head over
+        hidden's leading dims): a list of (n_k, vocab) logits of head k at its selected positions only
+        (training: the vocabulary projection, most of a step's cost, runs where the loss reads it)."""
+        if select is not None:
+            return [self.project(k, block(hidden[m])) for k, (block, m) in enumerate(zip(self.blocks, select))]
+        return torch.stack([self.project(k, f) for k, f in enumerate(self.features(hidden))])
 
 
 def medusa_loss(
-    head_logits: Tensor, input_ids: Tensor, loss_mask: Tensor, decay: float = 0.8
+    heads: nn.Module, hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, decay: float = 0.8
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """Medusa-1 loss: sum_k decay^k * CE(head k at t, token t+k+2), over positions whose target is trained.
 
-    head_logits: (K, batch, seq, vocab); input_ids, loss_mask: (batch, seq).
-    Returns (loss, per-head losses, per-head top-1 accuracies).
+    heads: MedusaHeads, or a wrapper whose forward is theirs (DDP); hidden: (batch, seq, hidden)
+    target last hidden states; input_ids, loss_mask: (batch, seq). Each head is projected at the
+    positions it is scored on only. Returns (loss, per-head losses, per-head top-1 accuracies).
     """
-    total = head_logits.new_zeros((), dtype=torch.float32)
-    losses, accs = [], []
-    for k in range(head_logits.shape[0]):
+    num_heads = getattr(heads, "module", heads).cfg.num_heads
+    select, labels = [], []
+    for k in range(num_heads):
         shift = k + 2
-        logits = head_logits[k, :, :-shift].float()
-        labels = input_ids[:, shift:]
-        mask = loss_mask[:, shift:].bool()
-        if not bool(mask.any()):
+        trained = loss_mask[:, shift:].bool()
+        m = torch.zeros_like(loss_mask, dtype=torch.bool)
+        m[:, : max(0, m.shape[1] - shift)] = trained
+        select.append(m)
+        labels.append(input_ids[:, shift:][trained])
+    total = hidden.new_zeros((), dtype=torch.float32)
+    losses, accs = [], []
+    for k, (logits, target) in enumerate(zip(heads(hidden, select), labels)):
+        if target.numel() == 0:
             losses.append(total.new_zeros(()))
             accs.append(total.new_zeros(()))
             continue
-        ce = nn.functional.cross_entropy(logits[mask], labels[mask])
+        logits = logits.float()
+        ce = nn.functional.cross_entropy(logits, target)
         total = total + (decay**k) * ce
         losses.append(ce.detach())
-        accs.append((logits[mask].argmax(-1) == labels[mask]).float().mean())
+        accs.append((logits.argmax(-1) == target).float().mean())
     return total, losses, accs

@@ -48,7 +48,7 @@ class Medusa2(nn.Module):
                 lm_weight: float = 1.0) -> tuple[Tensor, dict[str, Tensor], list[Tensor]]:
         """Combined loss, named parts (lm, head k) and per-head top-1 accuracies."""
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=[-1])
-        head_total, losses, accs = medusa_loss(self.heads(out.hidden_states[-1]), input_ids, loss_mask, decay)
+        head_total, losses, accs = medusa_loss(self.heads, out.hidden_states[-1], input_ids, loss_mask, decay)
         lm = lm_loss(out.logits, input_ids, loss_mask)
         parts = {"lm": lm.detach(), **{f"head{k}": v for k, v in enumerate(losses)}}
         return lm_weight * lm + head_total, parts, accs
