@@ -9,7 +9,7 @@ from conftest import VOCAB, random_prompt, tiny_model
 from selfdraft.drafters.eagle import EagleDrafter
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.heads import Eagle1Config, Eagle1Head, load_head, save
-from selfdraft.heads.eagle1 import eagle1_loss, next_rows
+from selfdraft.heads.eagle1 import eagle1_loss, next_rows, trained_positions
 
 
 def make_head(model, seed=0, scale=1.0):
@@ -77,7 +77,7 @@ def test_eagle1_loss_takes_the_rows_it_reads():
     target_logits = torch.randn(2, 7, VOCAB)
     lmask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0, 0]])
     attn = torch.tensor([[1] * 7, [1, 1, 1, 1, 1, 0, 0]])
-    rows = next_rows(target_logits, lmask, attn)
+    rows = next_rows(target_logits, trained_positions(lmask, attn))
     assert rows.shape[0] == 4 + 3  # t = 1..4 of the first; t = 0..2 of the second (t+2 = 4 its last real token)
     with torch.no_grad():
         full = eagle1_loss(head, features, ids, target_logits, lmask, attn, 1.0, 0.25)

@@ -40,7 +40,7 @@ from selfdraft.heads.artifact import (
     weights_digest,
     weights_fingerprint,
 )
-from selfdraft.heads.eagle1 import Eagle1Config, next_rows
+from selfdraft.heads.eagle1 import Eagle1Config, next_rows, trained_positions
 from selfdraft.heads.eagle3 import Eagle3Config, select_draft_vocab
 from selfdraft.heads.medusa import MedusaConfig, medusa_loss
 from selfdraft.heads.medusa2 import Medusa2, attach_lora
@@ -157,7 +157,7 @@ def head_loss(cfg: TrainConfig, head, target, batch, feats: dict | None = None) 
                 rows = lm_head.weight[(head.module if hasattr(head, "module") else head).draft_ids]
                 logits = torch.nn.functional.linear(last.to(rows.dtype), rows)
             else:  # eagle1: the rows its loss reads only (full-vocabulary products are most of a step)
-                rows = next_rows(last, lmask, attn)
+                rows = next_rows(last, trained_positions(lmask, attn))
                 logits = lm_head(rows.to(lm_head.weight.dtype))
         # through the (possibly DDP-wrapped) module's forward, so gradients are synchronised
         if cfg.head == "eagle1":

@@ -113,10 +113,11 @@ def trained_positions(loss_mask: Tensor, attention_mask: Tensor) -> Tensor:
     return valid & torch.cat([attention_mask[:, 2:], attention_mask.new_zeros(b, 2)], 1).bool()
 
 
-def next_rows(x: Tensor, loss_mask: Tensor, attention_mask: Tensor) -> Tensor:
-    """(b, s, ...) -> (n, ...): x at t+1 for each trained position t, row-major (the target feature
-    and logits the loss reads; the last position is never trained)."""
-    return x[:, 1:][trained_positions(loss_mask, attention_mask)[:, :-1]]
+def next_rows(x: Tensor, trained: Tensor) -> Tensor:
+    """(b, s, ...) -> (n, ...): x at t+1 for each position t of the :func:`trained_positions` mask
+    ``trained``, row-major (the target feature and logits the loss reads; the last position is never
+    trained)."""
+    return x[:, 1:][trained[:, :-1]]
 
 
 def eagle1_loss(
@@ -155,9 +156,9 @@ def eagle1_loss(
     if not bool(valid.any()):
         zero = pred.sum().float() * 0.0
         return zero, [zero.detach(), zero.detach()], [zero.detach()]
-    feat_loss = nn.functional.smooth_l1_loss(pred[valid].float(), next_rows(features, loss_mask, attention_mask).float())
+    feat_loss = nn.functional.smooth_l1_loss(pred[valid].float(), next_rows(features, valid).float())
     if target_logits.dim() == 3:
-        target_logits = next_rows(target_logits, loss_mask, attention_mask)
+        target_logits = next_rows(target_logits, valid)
     p = torch.softmax(target_logits.float(), -1)
     logq = torch.log_softmax(head.logits(pred[valid]).float(), -1)
     tok_loss = -(p * logq).sum(-1).mean()
