@@ -28,7 +28,9 @@ kernels off (docs/perf_log.md has the measurements).
 Where bf16 is native (AVX512-BF16), oneDNN's products win from ~8 rows on, but each call carries
 ~50 us of fixed cost, so the kernels still serve the smallest forwards there: products over at most
 FUSED_MAX_ROWS_NATIVE rows, the norms and the attention of few query positions (a SmolLM2 one-token
-decode step 36.6 -> 25.6 ms on a 2-core AVX512-BF16 EPYC).
+decode step 36.6 -> 25.6 ms on a 2-core AVX512-BF16 EPYC). The lean forward
+(:mod:`selfdraft.lean_forward`), which skips the model's Python, keeps every product of up to 16 query
+positions on the kernel on both kinds of CPU.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ FUSED_MAX_ROWS = 48
 vs 327 ms, 192: 786 vs 702 ms); the fp32 route's MKL GEMM (124 GFLOP/s against the kernel's ~65)
 wins for long prefills."""
 FUSED_MAX_ROWS_NATIVE = 6
-"""The same limit where bf16 products are native: on a 2-core AVX512-BF16 EPYC, whole SmolLM2 forwards
+"""The same limit where bf16 products are native, inside the model's own (Hugging Face) forward: on a
+2-core AVX512-BF16 EPYC, whole SmolLM2 forwards
 after 400 cached tokens (median of 16, interleaved) with the product kernel up to this many rows vs
 oneDNN: 1 token 25.6 vs 34.5 ms, 4: 32.9 vs 38.5, 6: 39.1 vs 41.9, 8: 42.5 vs 41.8, 16: 50.4 vs 49.8
 (norms and attention fused in both)."""

@@ -11,7 +11,9 @@ rotary module for cos/sin, the same :class:`~selfdraft.cache.SpecCache` layers. 
 run in one call to the decoder-stack kernel (``csrc/bf16_decoder.cpp``, built from the plan once), so
 no Python runs between a layer's ~18 operations (~1.8 ms of a one-token SmolLM2 step). Its logits,
 hidden states and cache entries are bit-identical to the Hugging Face forward's with the fused kernels
-(tests/test_lean_forward.py).
+taking every product (tests/test_lean_forward.py): the default on AVX2 CPUs; where bf16 is native the
+model's own forward gives products of more than ``kernels.FUSED_MAX_ROWS_NATIVE`` rows to oneDNN, which
+rounds differently, while the lean forward keeps them on the kernel (see :data:`LEAN_MAX_ROWS_NATIVE`).
 
 Which targets: ``model_type`` llama, qwen2 (no q/k norms, no sliding windows) or gemma3_text (q/k
 norms, sliding-window layers through their mask, four norms per layer, scaled embeddings, final
@@ -34,9 +36,18 @@ from torch import Tensor, nn
 
 from selfdraft import kernels
 from selfdraft.cache import PreallocatedLayer, SpecCache
-from selfdraft.kernels import FUSED_ATTENTION_MAX_QUERIES, fused_max_rows, rms_norm_convention
+from selfdraft.kernels import FUSED_ATTENTION_MAX_QUERIES, FUSED_MAX_ROWS, rms_norm_convention
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
+LEAN_MAX_ROWS_NATIVE = 16
+"""Most tokens (over the batch) a lean forward takes where bf16 is native (FUSED_MAX_ROWS elsewhere,
+at most FUSED_ATTENTION_MAX_QUERIES per row in both); all its products run on the product kernel.
+That beats the model's own forward, which gives products past kernels.FUSED_MAX_ROWS_NATIVE (6) rows
+to oneDNN: on a 2-core AVX512-BF16 EPYC after 256 cached tokens (medians of 15, interleaved),
+SmolLM2 7 rows 24.0 vs 49.1 ms, 8: 25.4 vs 47.4, 12: 34.7 vs 50.4, 16: 44.0 vs 53.8; Gemma-3-270M
+7: 39.5 vs 52.4, 12: 60.5 vs 60.3, 16: 74.2 vs 68.4 (its 262k-row lm_head is where oneDNN wins).
+oneDNN products inside the lean forward lost to the kernel at 7-12 rows (SmolLM2 7 rows 30.6 vs
+23.5 ms; docs/perf_log.md)."""
 LEAN_ENV = "SELFDRAFT_LEAN_FORWARD"
 """Set to 0 to send every forward through the model's own (Hugging Face) forward."""
 
@@ -232,6 +243,11 @@ def lean_plan(model: nn.Module, kernel) -> LeanPlan | None:
     return plan
 
 
+def lean_max_rows() -> int:
+    """Most tokens (over the batch) a lean forward takes on this CPU."""
+    return LEAN_MAX_ROWS_NATIVE if kernels.native_bf16_matmul("cpu") else FUSED_MAX_ROWS
+
+
 def lean_applies(model: nn.Module, cache: object, tokens: Tensor) -> tuple[LeanPlan, object] | None:
     """(plan, kernel module) for a forward of ``tokens`` (batch, n) into ``cache``, or None where it must
     go through the model's own forward (kernels off or not built, too many tokens for them, another
@@ -240,7 +256,7 @@ def lean_applies(model: nn.Module, cache: object, tokens: Tensor) -> tuple[LeanP
         return None
     if tokens.device.type != "cpu" or torch.is_grad_enabled() or not isinstance(cache, SpecCache):
         return None
-    if tokens.shape[-1] > FUSED_ATTENTION_MAX_QUERIES or tokens.numel() > fused_max_rows():
+    if tokens.shape[-1] > FUSED_ATTENTION_MAX_QUERIES or tokens.numel() > lean_max_rows():
         return None
     if not all(type(layer) is PreallocatedLayer for layer in cache.layers):
         return None

@@ -11,7 +11,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import selfdraft.adapter as adapter
 import selfdraft.lean_forward as lean
 from selfdraft.adapter import new_cache, shallow_view, tree_forward
-from selfdraft.kernels import build_fused_kernel, fused_max_rows
+from selfdraft import kernels
+from selfdraft.kernels import build_fused_kernel
 from selfdraft.tree import chain_tree, tree_from_parents
 
 
@@ -87,15 +88,17 @@ def test_lean_forward_is_bit_identical_to_the_hf_forward(monkeypatch, arch):
     numbering, negative indices included) and cache entries as the HF forward with the fused kernels.
     Qwen2 adds q/k/v biases; Gemma-3 q/k norms, sliding-window layers (the 20-token prefix is past the
     tiny model's window of 6), four norms per layer, scaled embeddings and optionally final logit
-    soft-capping. The layer-skip view of the target takes it too."""
+    soft-capping. The layer-skip view of the target takes it too. Where bf16 is native the HF forward
+    gives products past 6 rows to oneDNN; here it keeps them on the kernel, as the lean forward does."""
     kernel()
+    monkeypatch.setattr(kernels, "FUSED_MAX_ROWS_NATIVE", kernels.FUSED_MAX_ROWS)
     model = tiny_model(arch.removesuffix("-softcap"), dtype=torch.bfloat16)
     if arch.endswith("-softcap"):
         model.config.final_logit_softcapping = 3.0  # HF's forward reads it per call; the plan is built after
     prompt = torch.tensor([random_prompt(20, 1)])  # > 16 tokens: the prefill itself takes HF's forward
-    # a branching tree of 6 nodes: the most the lean route takes where bf16 is native (AVX512-BF16)
-    trees = [chain_tree(0), chain_tree(3), tree_from_parents([-1, 0, 0, 1, 1, 3])]
-    assert max(len(t.parents) for t in trees) <= fused_max_rows()
+    trees = [chain_tree(0), chain_tree(3), tree_from_parents([-1, 0, 0, 1, 1, 3, 4]),
+             tree_from_parents([-1, 0, 0, 1, 1, 2, 3, 3, 4, 6, 7, 7, 9, 10, 12, 13])]
+    assert max(len(t.parents) for t in trees) <= lean.lean_max_rows()
     layers = model.config.num_hidden_layers
     for hidden, last_only in (((), False), ((0, 1, layers - 1, -1), False), ((2, layers), True)):
         results, taken = forward_both(monkeypatch, model, prompt, trees, hidden, last_only)
@@ -150,6 +153,13 @@ def test_lean_forward_applies_only_where_it_reproduces_the_forward(monkeypatch):
     with torch.inference_mode():
         assert lean.lean_applies(model, cache, small) is not None
         assert lean.lean_applies(model, cache, wide) is None  # too many queries for the attention kernel
+        batch = torch.zeros(2, 12, dtype=torch.long)  # 24 rows: past the limit where bf16 is native
+        for native in (True, False):
+            with monkeypatch.context() as m:
+                m.setattr(kernels, "native_bf16_matmul", lambda device_type="cpu", native=native: native)
+                assert lean.lean_max_rows() == (lean.LEAN_MAX_ROWS_NATIVE if native else kernels.FUSED_MAX_ROWS)
+                assert lean.lean_applies(model, cache, wide[:, :16]) is not None
+                assert (lean.lean_applies(model, new_cache(model, 64), batch) is None) == native
         monkeypatch.setenv(lean.LEAN_ENV, "0")
         assert lean.lean_applies(model, cache, small) is None
         monkeypatch.delenv(lean.LEAN_ENV)
