@@ -6,7 +6,7 @@
 #   3. generate on the first MT-bench questions with HF generate, plain decoding, the new head and
 #      the head merged with prompt lookup, print the table (tokens/s, speedup vs HF generate, tau,
 #      identity with plain decoding) and summary lines.
-# 14.4 minutes measured on a 2-core AVX512-BF16 CPU (50 steps at ~13 s), before the merged row (+~20 s);
+# 11.4 minutes measured on a 2-core AVX512-BF16 CPU (50 steps at ~10 s; 2026-12-05);
 # 24.3 minutes with 50 steps on a 2-core AVX2 CPU without native bf16 (~21 s a step), hence 32 steps there.
 # A head trained this briefly drafts little (tau ~1.2-1.3); the measured tables are in docs/benchmarks.md.
 #
@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-runs/main_job}
-# 50 steps where bf16 products are native (~13 s a step); 32 on CPUs without (AVX2-only: ~21 s a
+# 50 steps where bf16 products are native (~10-13 s a step); 32 on CPUs without (AVX2-only: ~21 s a
 # step in fp32), which keeps the whole job under 20 minutes there too
 if [ -z "${STEPS:-}" ]; then
   STEPS=$("$PYTHON" -c "from selfdraft.kernels import native_bf16_matmul; print(50 if native_bf16_matmul('cpu') else 32)")
