@@ -10,8 +10,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import selfdraft.adapter as adapter
 import selfdraft.lean_forward as lean
-from selfdraft.adapter import new_cache, shallow_view, tree_forward
 from selfdraft import kernels
+from selfdraft.adapter import new_cache, shallow_view, tree_forward
 from selfdraft.kernels import build_fused_kernel
 from selfdraft.tree import chain_tree, tree_from_parents
 
