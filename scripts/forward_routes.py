@@ -13,47 +13,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+from functools import partial
 
 import torch
 
 from selfdraft import lean_forward
-from selfdraft.adapter import new_cache, tree_forward
 from selfdraft.kernels import cpu_report
 from selfdraft.target import load_target
-from selfdraft.tree import chain_tree
+from selfdraft.tune import forward_latency
 
 ROUTES = {"hf": "0", "lean": "1"}
+"""Route name -> the value of ``SELFDRAFT_LEAN_FORWARD`` that selects it."""
 
 
-@torch.inference_mode()
 def time_routes(model, sizes: list[int], context: int, reps: int) -> dict[str, dict[int, float]]:
     """Median seconds of one n-token forward per route, routes and sizes taking turns each round."""
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    cache = new_cache(model, context + max(sizes) + 8)
-    tree_forward(model, cache, torch.randint(0, vocab, (1, context), generator=g), chain_tree(context - 1),
-                 last_logits_only=True)
-    inputs = {n: (torch.randint(0, vocab, (1, n), generator=g), chain_tree(n - 1)) for n in sizes}
-    times: dict[str, dict[int, list[float]]] = {r: {n: [] for n in sizes} for r in ROUTES}
     before = os.environ.get(lean_forward.LEAN_ENV)
+    routes = {route: partial(os.environ.__setitem__, lean_forward.LEAN_ENV, env) for route, env in ROUTES.items()}
     try:
-        for rep in range(reps + 1):  # round 0 warms every shape up
-            for n, (tokens, tree) in inputs.items():
-                for route, env in ROUTES.items():
-                    os.environ[lean_forward.LEAN_ENV] = env
-                    t0 = time.perf_counter()
-                    tree_forward(model, cache, tokens, tree)
-                    if rep:
-                        times[route][n].append(time.perf_counter() - t0)
-                    cache.truncate(context)
+        return forward_latency(model, sizes, context, reps, routes)
     finally:
         if before is None:
             os.environ.pop(lean_forward.LEAN_ENV, None)
         else:
             os.environ[lean_forward.LEAN_ENV] = before
-    return {r: {n: statistics.median(t) for n, t in per.items()} for r, per in times.items()}
 
 
 def main() -> None:

@@ -134,12 +134,15 @@ def read_tuned(head_dir: str | Path, lookup: int = 0, temperature: float = 0.0) 
 
 
 @torch.inference_mode()
-def verify_latency(model: nn.Module, sizes: list[int], context: int, reps: int) -> dict[int, float]:
-    """Median seconds of one tree forward over n tokens (n in ``sizes``) after ``context`` cached tokens.
+def forward_latency(model: nn.Module, sizes: list[int], context: int, reps: int,
+                    routes: dict[str, Callable[[], None]]) -> dict[str, dict[int, float]]:
+    """Median seconds of one tree forward over n tokens (n in ``sizes``) after ``context`` cached tokens,
+    per route: ``routes`` maps a name to a function run before each of its forwards (switching how the
+    forward runs; scripts/forward_routes.py compares the lean and the HF forward this way).
 
-    The sizes take turns, one forward each per round, so a drift of the machine's speed over the
-    minutes of a run (10-30% on the shared CPUs measured here) lands on every size alike instead of
-    on whichever size was being timed then (docs/perf_log.md)."""
+    The sizes and routes take turns, one forward each per round, so a drift of the machine's speed
+    over the minutes of a run (10-30% on the shared CPUs measured here) lands on every size alike
+    instead of on whichever size was being timed then (docs/perf_log.md)."""
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -147,15 +150,23 @@ def verify_latency(model: nn.Module, sizes: list[int], context: int, reps: int) 
     prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
     tree_forward(model, cache, prompt, chain_tree(context - 1), last_logits_only=True)
     inputs = {n: (torch.randint(0, vocab, (1, n), generator=g).to(device), chain_tree(n - 1)) for n in sizes}
-    times: dict[int, list[float]] = {n: [] for n in sizes}
+    times: dict[str, dict[int, list[float]]] = {r: {n: [] for n in sizes} for r in routes}
     for rep in range(reps + 1):  # round 0 warms every shape up
         for n, (tokens, tree) in inputs.items():
-            t0 = time.perf_counter()
-            tree_forward(model, cache, tokens, tree)
-            if rep:
-                times[n].append(time.perf_counter() - t0)
-            cache.truncate(context)
-    return {n: statistics.median(t) for n, t in times.items()}
+            for route, enter in routes.items():
+                enter()
+                t0 = time.perf_counter()
+                tree_forward(model, cache, tokens, tree)
+                if rep:
+                    times[route][n].append(time.perf_counter() - t0)
+                cache.truncate(context)
+    return {r: {n: statistics.median(t) for n, t in per.items()} for r, per in times.items()}
+
+
+def verify_latency(model: nn.Module, sizes: list[int], context: int, reps: int) -> dict[int, float]:
+    """Median seconds of one tree forward over n tokens (n in ``sizes``) after ``context`` cached tokens,
+    the sizes taking turns (:func:`forward_latency`)."""
+    return forward_latency(model, sizes, context, reps, {"": lambda: None})[""]
 
 
 @torch.inference_mode()
