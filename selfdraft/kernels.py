@@ -16,6 +16,7 @@ modified or copied: its bf16 weights stay the only copy, the scratch holds one b
 
 For the small forwards of decoding (one token, a draft tree, a head step) the conversion itself is
 the cost, and PyTorch's eager bf16 ops carry more. Compiled kernels (``selfdraft/csrc``, AVX2 + FMA,
+with an AVX512-BF16 path for products where the CPU has it,
 one module built on first use with ``torch.utils.cpp_extension``) take over there:
 :class:`FusedModules` routes a model's bf16 ``nn.Linear`` modules through a product kernel that
 widens the weights in registers and accumulates in fp32 (on the 2-core AVX2 machine a SmolLM2
@@ -25,12 +26,14 @@ few query positions through an attention kernel reading the bf16 cache directly.
 :func:`forward_products` picks the routes for one forward; ``SELFDRAFT_FUSED_BF16=0`` turns the
 kernels off (docs/perf_log.md has the measurements).
 
-Where bf16 is native (AVX512-BF16), oneDNN's products win from ~8 rows on, but each call carries
-~50 us of fixed cost, so the kernels still serve the smallest forwards there: products over at most
-FUSED_MAX_ROWS_NATIVE rows, the norms and the attention of few query positions (a SmolLM2 one-token
-decode step 36.6 -> 25.6 ms on a 2-core AVX512-BF16 EPYC). The lean forward
-(:mod:`selfdraft.lean_forward`), which skips the model's Python, keeps every product of up to 16 query
-positions on the kernel on both kinds of CPU.
+Where bf16 is native (AVX512-BF16), oneDNN's products carry ~50 us of fixed cost per call, so the
+kernels serve the small forwards there too (a SmolLM2 one-token decode step 36.6 -> 25.6 ms on a
+2-core AVX512-BF16 EPYC), and the product kernel multiplies bf16 inputs with VDPBF16PS dot products
+(``csrc/bf16_linear_avx512.cpp``; ``SELFDRAFT_AVX512_BF16=0`` keeps it on the AVX2 path): a 16-token
+SmolLM2 forward 44 -> 29 ms there, one token unchanged. Products over at most FUSED_MAX_ROWS_AVX512
+rows take it inside the model's own forward (FUSED_MAX_ROWS_NATIVE with the AVX2 path, past which
+oneDNN wins); the lean forward (:mod:`selfdraft.lean_forward`), which skips the model's Python, keeps
+every product of up to 16 query positions on the kernel on both kinds of CPU.
 """
 
 from __future__ import annotations
@@ -66,9 +69,19 @@ FUSED_MAX_ROWS_NATIVE = 6
 2-core AVX512-BF16 EPYC, whole SmolLM2 forwards
 after 400 cached tokens (median of 16, interleaved) with the product kernel up to this many rows vs
 oneDNN: 1 token 25.6 vs 34.5 ms, 4: 32.9 vs 38.5, 6: 39.1 vs 41.9, 8: 42.5 vs 41.8, 16: 50.4 vs 49.8
-(norms and attention fused in both)."""
+(norms and attention fused in both). Measured with the kernel's AVX2 path; where it runs its
+AVX512-BF16 path the limit is FUSED_MAX_ROWS_AVX512."""
+FUSED_MAX_ROWS_AVX512 = 16
+"""The same limit where the product kernel multiplies with AVX512-BF16 (:func:`avx512_bf16_products`):
+on the 2-core AVX512-BF16 EPYC, whole forwards through the model's own forward after 256 cached tokens
+(medians of 11, interleaved), products up to 16 rows on the kernel vs past 6 rows on oneDNN: SmolLM2
+7 tokens 30.4 vs 50.5 ms, 8: 31.7 vs 52.0, 12: 39.7 vs 58.2, 16: 43.5 vs 62.0; Gemma-3-270M 7: 45.2
+vs 66.4, 12: 57.2 vs 73.4, 16: 65.7 vs 80.1 (docs/perf_log.md, twenty-fifth session)."""
 FUSED_ENV = "SELFDRAFT_FUSED_BF16"
 """Set to 0 to keep the fused kernels off (no build, PyTorch's kernels and the fp32 route only)."""
+AVX512_ENV = "SELFDRAFT_AVX512_BF16"
+"""Set to 0 to keep the product kernel on its AVX2 path where the CPU has AVX512-BF16 (comparisons);
+by default bf16 inputs there take the VDPBF16PS path (csrc/bf16_linear_avx512.cpp)."""
 FUSED_ATTENTION_MAX_QUERIES = 16
 """Most query positions (per row) an attention call takes through the fused kernel. On the 2-core AVX2
 machine, 9 query heads over 3 KV heads and 400 cached positions: 1 query 0.04 vs 0.41 ms (PyTorch's
@@ -77,7 +90,7 @@ positions 2.3 vs 23 ms per layer."""
 ATTENTION_NAME = "selfdraft_bf16"
 """Name the fused attention is registered under in Hugging Face's attention interface."""
 KERNEL_SOURCES = (
-    "bindings.cpp", "bf16_linear.cpp", "bf16_attention.cpp", "bf16_rms_norm.cpp", "bf16_rope.cpp", "bf16_decoder.cpp"
+    "bindings.cpp", "bf16_linear.cpp", "bf16_linear_avx512.cpp", "bf16_attention.cpp", "bf16_rms_norm.cpp", "bf16_rope.cpp", "bf16_decoder.cpp"
 )
 """Sources of the kernel module under selfdraft/csrc (kernels.h holds what they share)."""
 BLOCK_ROWS = 2048
@@ -100,6 +113,7 @@ def cpu_report() -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "native_bf16_matmul": native_bf16_matmul("cpu"),
         "fused_bf16_kernel": fused_kernel() is not None,
+        "avx512_bf16_products": avx512_bf16_products(),
     }
 
 
@@ -149,13 +163,15 @@ def build_fused_kernel():
         if not _built(cpp_extension, name):
             print("selfdraft: building the bf16 CPU kernels (once per machine, a minute or two)", file=sys.stderr)
         csrc = Path(__file__).parent / "csrc"
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name=name,
             sources=[str(csrc / f) for f in KERNEL_SOURCES],
             extra_include_paths=[str(csrc)],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
+        module.set_avx512_bf16(os.environ.get(AVX512_ENV, "1") != "0")
+        return module
     except Exception as e:  # no compiler, no ninja, ...: slower but correct without it
         warnings.warn(
             f"selfdraft: could not build the bf16 CPU kernels ({type(e).__name__}: {e}); small bf16 "
@@ -164,6 +180,13 @@ def build_fused_kernel():
             stacklevel=2,
         )
         return None
+
+
+def avx512_bf16_products() -> bool:
+    """Whether the product kernel multiplies bf16 inputs with AVX512-BF16 dot products here (the CPU
+    has them, the kernel is built and ``SELFDRAFT_AVX512_BF16`` is not 0)."""
+    kernel = fused_kernel()
+    return kernel is not None and kernel.avx512_bf16_enabled()
 
 
 def fused_kernel():
@@ -176,7 +199,9 @@ def fused_kernel():
 
 def fused_max_rows() -> int:
     """Most input rows a product takes through the fused kernel on this CPU."""
-    return FUSED_MAX_ROWS_NATIVE if native_bf16_matmul("cpu") else FUSED_MAX_ROWS
+    if not native_bf16_matmul("cpu"):
+        return FUSED_MAX_ROWS
+    return FUSED_MAX_ROWS_AVX512 if avx512_bf16_products() else FUSED_MAX_ROWS_NATIVE
 
 
 def _fused_forward(ref: weakref.ref, kernel, max_rows: int):

@@ -180,14 +180,28 @@ def fused():
     return kernel
 
 
+@pytest.fixture(params=["avx2", "avx512_bf16"])
+def product_kernel(request):
+    """The kernel module with bf16 products on one path: AVX2 (widened weights, 8-wide FMAs; every x86
+    CPU the kernel builds on) or AVX512-BF16 (VDPBF16PS; skipped where the CPU lacks it)."""
+    kernel = fused()
+    native = request.param == "avx512_bf16"
+    if native and not kernel.avx512_bf16_available():
+        pytest.skip("this CPU has no AVX512-BF16")
+    before = kernel.set_avx512_bf16(native)
+    assert kernel.avx512_bf16_enabled() == native
+    yield kernel
+    kernel.set_avx512_bf16(before)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 9, 16])
 @pytest.mark.parametrize("k,n", [(64, 48), (20, 7), (96, 101)])
-def test_fused_kernel_is_the_fp32_product_rounded(rows, k, n):
+def test_fused_kernel_is_the_fp32_product_rounded(rows, k, n, product_kernel):
     """Guards the kernel's paths and edges: row counts (rows and twice rows) that take the stream
     (1-5) and each row tile with its remainders (6: 4 + 2, 7: 4 + 3, 9: 4 + 4 + 1, ...), a k that is
     not a multiple of 8 (scalar tail), feature counts that leave partial tiles and tasks, bias,
     batched input, bf16 and fp32 input."""
-    kernel = fused()
+    kernel = product_kernel
     torch.manual_seed(rows * 1000 + k + n)
     w, b = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
     for dtype in (torch.bfloat16, torch.float32):
@@ -203,11 +217,13 @@ def test_fused_kernel_is_the_fp32_product_rounded(rows, k, n):
 
 
 @pytest.mark.parametrize("k", [96, 1152, 20])
-def test_fused_kernel_row_results_do_not_depend_on_the_row_count(k):
+def test_fused_kernel_row_results_do_not_depend_on_the_row_count(k, product_kernel):
     """Guards what greedy exactness rests on: a row's output is bit-identical whether the product has
-    one row (a decode step) or several (a verified tree: the stream up to five rows, the row tiles
-    beyond), for every row position in a tile and its remainders, with bias and a scalar tail (k = 20)."""
-    kernel = fused()
+    one row (a decode step) or several (a verified tree: on the AVX2 path the stream up to five rows,
+    the row tiles beyond; on the AVX512-BF16 path passes of up to eight rows), for every row position
+    in a tile or pass and its remainders, with bias and a tail (k = 20: scalar on AVX2, masked on
+    AVX512-BF16)."""
+    kernel = product_kernel
     torch.manual_seed(k)
     w, b = torch.randn(101, k).bfloat16(), torch.randn(101).bfloat16()
     for dtype in (torch.bfloat16, torch.float32):  # fp32 output keeps differences bf16 rounding can hide
@@ -219,10 +235,10 @@ def test_fused_kernel_row_results_do_not_depend_on_the_row_count(k):
                 assert torch.equal(got, alone[:rows]), f"{dtype}, {rows} rows, bias {bias is not None}"
 
 
-def test_fused_kernel_reads_non_contiguous_input_and_reuses_its_buffer():
+def test_fused_kernel_reads_non_contiguous_input_and_reuses_its_buffer(product_kernel):
     """Guards the widening buffer the kernel keeps per calling thread: a strided view is read in its
     logical order, and a small product after a larger one reads only its own rows."""
-    kernel = fused()
+    kernel = product_kernel
     torch.manual_seed(0)
     w = torch.randn(40, 24).bfloat16()
     big = torch.randn(7, 3, 24).bfloat16()
@@ -235,10 +251,10 @@ def test_fused_kernel_reads_non_contiguous_input_and_reuses_its_buffer():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])
-def test_fused_kernel_many_products_equal_one_at_a_time(rows):
+def test_fused_kernel_many_products_equal_one_at_a_time(rows, product_kernel):
     """Guards the shared parallel loop: feature counts whose tasks straddle the products (7, 101, 48,
     1), biases on some products only; each output is bit-identical to that product alone."""
-    kernel = fused()
+    kernel = product_kernel
     torch.manual_seed(rows)
     x = torch.randn(2, rows, 40).bfloat16()
     weights = [torch.randn(n, 40).bfloat16() for n in (7, 101, 48, 1)]
@@ -301,12 +317,16 @@ def test_fused_modules_route_small_inference_products_and_restore_the_modules():
 
 def test_fused_modules_take_fewer_rows_where_bf16_is_native(monkeypatch):
     """Guards the row limit per CPU: where oneDNN's bf16 products are native the kernel takes only the
-    smallest products (it loses from ~8 rows there), elsewhere up to FUSED_MAX_ROWS; the cached routes
-    follow the CPU's answer; SELFDRAFT_FUSED_BF16=0 turns them off."""
+    smallest products on its AVX2 path (it loses from ~8 rows there) and up to 16 on its AVX512-BF16
+    path, elsewhere up to FUSED_MAX_ROWS; the cached routes follow the CPU's answer;
+    SELFDRAFT_FUSED_BF16=0 turns them off."""
     if build_fused_kernel() is None:
         pytest.skip("the fused bf16 kernel needs an x86 CPU with AVX2 and a C++ compiler")
     model = torch.nn.Linear(8, 8).bfloat16()
     monkeypatch.setattr(kernels, "native_bf16_matmul", lambda device_type="cpu": True)
+    monkeypatch.setattr(kernels, "avx512_bf16_products", lambda: True)
+    assert fused_modules(model).max_rows == kernels.FUSED_MAX_ROWS_AVX512 == 16
+    monkeypatch.setattr(kernels, "avx512_bf16_products", lambda: False)
     assert fused_modules(model).max_rows == kernels.FUSED_MAX_ROWS_NATIVE < 8
     monkeypatch.setattr(kernels, "native_bf16_matmul", lambda device_type="cpu": False)
     assert fused_modules(model).max_rows == kernels.FUSED_MAX_ROWS

@@ -11,6 +11,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -173,6 +174,21 @@ void run(const float* x, int64_t m, int64_t k, const std::vector<Product<Out>>& 
 
 }  // namespace
 
+namespace {
+std::atomic<bool> use_avx512_bf16{true};
+}  // namespace
+
+bool avx512_bf16_available() {
+  static const bool available = SELFDRAFT_AVX512_BF16 && __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                                __builtin_cpu_supports("avx512bf16");
+  return available;
+}
+
+bool avx512_bf16_enabled() { return use_avx512_bf16.load(std::memory_order_relaxed) && avx512_bf16_available(); }
+
+bool set_avx512_bf16(bool enabled) { return use_avx512_bf16.exchange(enabled); }
+
 std::vector<at::Tensor> bf16_linear_many(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                                          const std::vector<c10::optional<at::Tensor>>& biases) {
   TORCH_CHECK(!weights.empty(), "bf16_linear_many needs at least one weight");
@@ -187,6 +203,30 @@ std::vector<at::Tensor> bf16_linear_many(const at::Tensor& x, const std::vector<
     TORCH_CHECK(weight.size(1) == k, "x has ", k, " features, weight expects ", weight.size(1));
   }
   const int64_t m = k == 0 ? 0 : x.numel() / k;
+  std::vector<at::Tensor> ws, b32s, ys;
+  for (size_t p = 0; p < weights.size(); ++p) {
+    const int64_t n = weights[p].size(0);
+    ws.push_back(weights[p].contiguous());
+    at::Tensor b32;
+    if (!biases.empty() && biases[p].has_value() && biases[p]->defined()) {
+      TORCH_CHECK(biases[p]->numel() == n, "bias has ", biases[p]->numel(), " entries, expected ", n);
+      b32 = biases[p]->to(at::kFloat).contiguous();
+    }
+    b32s.push_back(b32);
+    auto sizes = x.sizes().vec();
+    sizes.back() = n;
+    ys.push_back(at::empty(sizes, x.options()));
+  }
+  const auto bias_ptr = [&](size_t p) { return b32s[p].defined() ? b32s[p].data_ptr<float>() : nullptr; };
+  if (x.scalar_type() == at::kBFloat16 && avx512_bf16_enabled()) {  // bf16 rows read as they are
+    const at::Tensor xc = x.contiguous();
+    std::vector<BF16Product> products;
+    for (size_t p = 0; p < ws.size(); ++p)
+      products.push_back({reinterpret_cast<const uint16_t*>(ws[p].data_ptr<at::BFloat16>()), ws[p].size(0),
+                          ys[p].data_ptr<at::BFloat16>(), bias_ptr(p)});
+    bf16_products_avx512(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), m, k, products);
+    return ys;
+  }
   // the input rows in fp32 (exact for bf16), contiguous. bf16 rows are widened into a buffer of the
   // calling thread: a tensor conversion per product (dispatch and allocation, ~4 us) cost ~1 ms of a
   // 211-product SmolLM2 forward.
@@ -203,26 +243,12 @@ std::vector<at::Tensor> bf16_linear_many(const at::Tensor& x, const std::vector<
     for (int64_t e = 0; e < m * k; ++e) widened[e] = bf16_to_float(src[e]);
     xp = widened.data();
   }
-  std::vector<at::Tensor> ws, b32s, ys;
-  for (size_t p = 0; p < weights.size(); ++p) {
-    const int64_t n = weights[p].size(0);
-    ws.push_back(weights[p].contiguous());
-    at::Tensor b32;
-    if (!biases.empty() && biases[p].has_value() && biases[p]->defined()) {
-      TORCH_CHECK(biases[p]->numel() == n, "bias has ", biases[p]->numel(), " entries, expected ", n);
-      b32 = biases[p]->to(at::kFloat).contiguous();
-    }
-    b32s.push_back(b32);
-    auto sizes = x.sizes().vec();
-    sizes.back() = n;
-    ys.push_back(at::empty(sizes, x.options()));
-  }
   auto launch = [&](auto* tag) {
     using Out = std::remove_pointer_t<decltype(tag)>;
     std::vector<Product<Out>> products;
     for (size_t p = 0; p < ws.size(); ++p)
       products.push_back({reinterpret_cast<const uint16_t*>(ws[p].data_ptr<at::BFloat16>()), ws[p].size(0),
-                          ys[p].data_ptr<Out>(), b32s[p].defined() ? b32s[p].data_ptr<float>() : nullptr});
+                          ys[p].data_ptr<Out>(), bias_ptr(p)});
     run(xp, m, k, products);
   };
   if (x.scalar_type() == at::kFloat)

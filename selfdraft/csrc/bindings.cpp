@@ -9,6 +9,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear_many", &selfdraft::bf16_linear_many,
         "[x @ w.T (+ b) for w, b in zip(weights, biases)] in one parallel loop (biases: one per weight, None allowed, or [])",
         pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("biases") = std::vector<c10::optional<at::Tensor>>{});
+  m.def("avx512_bf16_available", &selfdraft::avx512_bf16_available,
+        "whether this CPU runs AVX512-BF16 (bf16 products then use VDPBF16PS)");
+  m.def("avx512_bf16_enabled", &selfdraft::avx512_bf16_enabled,
+        "whether bf16 products take the AVX512-BF16 path (available and not switched off)");
+  m.def("set_avx512_bf16", &selfdraft::set_avx512_bf16,
+        "use the AVX512-BF16 path for bf16 products where available (default true); returns the previous setting",
+        pybind11::arg("enabled"));
   m.def("bf16_attention", &selfdraft::bf16_attention,
         "softmax(scale * q k^T + mask) v for bf16 q (B, H, n, D) and cache k, v (B, Hk, L, D); out (B, n, H, D)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask") = pybind11::none(),

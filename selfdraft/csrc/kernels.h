@@ -41,6 +41,36 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
 std::vector<at::Tensor> bf16_linear_many(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                                          const std::vector<c10::optional<at::Tensor>>& biases);
 
+// Whether this compiler has the AVX512-BF16 intrinsics (GCC 10, Clang 9 and later); without them the
+// module builds without that path and every product takes the AVX2 one.
+#if defined(__clang__) ? (__clang_major__ >= 9) : (defined(__GNUC__) && __GNUC__ >= 10)
+#define SELFDRAFT_AVX512_BF16 1
+#else
+#define SELFDRAFT_AVX512_BF16 0
+#endif
+
+// One product of bf16 input rows on the AVX512-BF16 path: weight (n, k), bf16 output rows of n, fp32 bias or null.
+struct BF16Product {
+  const uint16_t* w;
+  int64_t n;
+  at::BFloat16* y;
+  const float* bias;
+};
+
+// The products of the same m bf16 input rows (m, k), contiguous, with AVX512-BF16 dot products
+// (bf16_linear_avx512.cpp); call only where avx512_bf16_available().
+void bf16_products_avx512(const uint16_t* x, int64_t m, int64_t k, const std::vector<BF16Product>& products);
+
+// Whether this CPU runs AVX512-BF16 (and the OS keeps its registers).
+bool avx512_bf16_available();
+
+// Whether bf16 products take the AVX512-BF16 path: available and not switched off.
+bool avx512_bf16_enabled();
+
+// Switch the AVX512-BF16 path for bf16 products on (the default) or off, where it is available;
+// returns the previous setting. Off, every product takes the AVX2 path (comparisons, tests).
+bool set_avx512_bf16(bool enabled);
+
 // softmax(scale * q k^T + mask) v over a bf16 cache, (batch, q positions, heads, head_dim) out (bf16_attention.cpp).
 at::Tensor bf16_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const c10::optional<at::Tensor>& mask, double scale);

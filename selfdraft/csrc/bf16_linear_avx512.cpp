@@ -1,0 +1,126 @@
+// y = x @ w^T (+ bias) for bf16 x and a bf16 weight on x86 CPUs with AVX512-BF16 (AMD Zen 4 and later,
+// Intel Cooper Lake and Sapphire Rapids): the native-bf16 path of bf16_linear.cpp's product kernel.
+//
+// The AVX2 kernel widens every weight element to fp32 and spends one 8-wide FMA per element and input
+// row, so a product of a few rows is compute-bound long before it is memory-bound: on a 2-core Zen 4 a
+// 16-token SmolLM2 verification cost ~4x a one-token forward. VDPBF16PS multiplies 16 bf16 pairs of an
+// input row and a weight row into 8 fp32 sums per 256-bit instruction, reading both operands as they
+// lie in memory: twice the products per instruction, nothing widened or converted. Each bf16 product
+// is exact in fp32 and each sum is rounded as an FMA's would be; the instruction flushes denormals,
+// which the weights and activations of a trained model do not hold in any number that matters.
+// The 256-bit form, not the 512-bit one: on that Zen 4, whole SmolLM2 forwards of 2-3 tokens took
+// 15-25% longer with 512-bit loads and products than on the AVX2 path, and 256-bit ones were no slower
+// there and as fast at 6-16 tokens (docs/perf_log.md, twenty-fifth session).
+//
+// What greedy exactness rests on holds here as in the AVX2 kernel: every output element is one 8-lane
+// accumulator run over k in the same order (a masked tail last), then one reduction, then the bias,
+// however many rows the product has, so a row's result does not depend on the row count. Built into the
+// same module as the other kernels, with this file's functions alone targeting AVX512-BF16;
+// bf16_linear_many calls them only where the CPU reports the instructions.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <utility>
+
+#if SELFDRAFT_AVX512_BF16
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+
+namespace selfdraft {
+namespace {
+
+constexpr int64_t kLane = 16;  // bf16 elements per 256-bit register
+
+inline __m256bh load_bh(const uint16_t* p) {
+  return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m256bh load_bh_tail(const uint16_t* p, __mmask16 mask) { return (__m256bh)_mm256_maskz_loadu_epi16(mask, p); }
+
+// The weight rows one after another, each thread reading its share of a product's weight as one
+// contiguous stream prefetched kStreamAhead bytes ahead (as the AVX2 kernel's one-to-five-row stream):
+// every input row takes its dot product with a weight row while that row is in L1, up to kChunk rows
+// per pass over it. (Tiles of four weight rows side by side, the AVX2 kernel's shape for six rows and
+// more, were no faster here at 6-16 rows and slower at one to four; passes of 16 rows no faster.)
+constexpr int64_t kStreamAhead = 2048;
+constexpr int kChunk = 8;
+
+// MT input rows against weight row wr: y[i * n] = dot(x[i, :], wr) (+ bias[j]) for output feature j.
+// (The loops over rows are unrolled so that the accumulators stay in registers.)
+template <int MT>
+inline void stream_rows(const uint16_t* x, const uint16_t* wr, int64_t k, at::BFloat16* y, int64_t n,
+                        const float* bias, int64_t j) {
+  __m256 acc[MT];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + kLane <= k; t += kLane) {
+    if ((t & 31) == 0)  // one 64-byte line every other step
+      _mm_prefetch(reinterpret_cast<const char*>(wr + t) + kStreamAhead, _MM_HINT_T0);  // never faults
+    const __m256bh wv = load_bh(wr + t);
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) acc[i] = _mm256_dpbf16_ps(acc[i], load_bh(x + i * k + t), wv);
+  }
+  if (t < k) {  // the last k % 16 elements, the rest of each register zero
+    const __mmask16 mask = static_cast<__mmask16>((1u << (k - t)) - 1);
+    const __m256bh wv = load_bh_tail(wr + t, mask);
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) acc[i] = _mm256_dpbf16_ps(acc[i], load_bh_tail(x + i * k + t, mask), wv);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) {
+    float s = hsum(acc[i]);
+    if (bias != nullptr) s += bias[j];
+    y[i * n] = static_cast<at::BFloat16>(s);  // rounds to nearest even
+  }
+}
+
+// stream_rows<rows> for 1 <= rows <= kChunk.
+template <int... MT>
+inline void stream_some(int64_t rows, const uint16_t* x, const uint16_t* wr, int64_t k, at::BFloat16* y, int64_t n,
+                        const float* bias, int64_t j, std::integer_sequence<int, MT...>) {
+  ((rows == MT + 1 ? stream_rows<MT + 1>(x, wr, k, y, n, bias, j) : void()), ...);
+}
+
+// Output features [n0, n1) of one product for all m rows.
+void features(const uint16_t* x, int64_t m, const uint16_t* w, int64_t n0, int64_t n1, int64_t k, at::BFloat16* y,
+              int64_t n, const float* bias) {
+  for (int64_t j = n0; j < n1; ++j)
+    for (int64_t i = 0; i < m; i += kChunk)
+      stream_some(std::min<int64_t>(kChunk, m - i), x + i * k, w + j * k, k, y + i * n + j, n, bias, j,
+                  std::make_integer_sequence<int, kChunk>{});
+}
+
+constexpr int64_t kFeaturesPerTask = 48;
+
+}  // namespace
+
+// Every product's features split into tasks of kFeaturesPerTask, all products' tasks in one parallel
+// loop (as in bf16_linear.cpp).
+void bf16_products_avx512(const uint16_t* x, int64_t m, int64_t k, const std::vector<BF16Product>& products) {
+  std::vector<int64_t> first(products.size() + 1, 0);  // first task of each product
+  for (size_t p = 0; p < products.size(); ++p)
+    first[p + 1] = first[p] + (products[p].n + kFeaturesPerTask - 1) / kFeaturesPerTask;
+  at::parallel_for(0, first.back(), 1, [&](int64_t b0, int64_t b1) {
+    for (size_t p = 0; p < products.size(); ++p) {
+      const int64_t lo = std::max(b0, first[p]), hi = std::min(b1, first[p + 1]);
+      if (lo >= hi) continue;
+      const BF16Product& q = products[p];
+      features(x, m, q.w, (lo - first[p]) * kFeaturesPerTask, std::min(q.n, (hi - first[p]) * kFeaturesPerTask), k,
+               q.y, q.n, q.bias);
+    }
+  });
+}
+
+}  // namespace selfdraft
+
+#pragma GCC pop_options
+#else  // a compiler without the intrinsics: avx512_bf16_available() is false and this is never called
+namespace selfdraft {
+void bf16_products_avx512(const uint16_t*, int64_t, int64_t, const std::vector<BF16Product>&) {
+  TORCH_CHECK(false, "selfdraft's kernels were built without AVX512-BF16 support");
+}
+}  // namespace selfdraft
+#endif
