@@ -11,7 +11,8 @@ rotary module for cos/sin, the same :class:`~selfdraft.cache.SpecCache` layers. 
 run in one call to the decoder-stack kernel (``csrc/bf16_decoder.cpp``, built from the plan once), so
 no Python runs between a layer's ~18 operations (~1.8 ms of a one-token SmolLM2 step). Its logits,
 hidden states and cache entries are bit-identical to the Hugging Face forward's with the fused kernels
-taking every product (tests/test_lean_forward.py): the default on AVX2 CPUs; where bf16 is native the
+taking every product (tests/test_lean_forward.py): the default on AVX2 CPUs and, up to 16 rows, where
+the kernel runs its AVX512-BF16 path; where bf16 is native and the kernel is on its AVX2 path, the
 model's own forward gives products of more than ``kernels.FUSED_MAX_ROWS_NATIVE`` rows to oneDNN, which
 rounds differently, while the lean forward keeps them on the kernel (see :data:`LEAN_MAX_ROWS_NATIVE`).
 
@@ -42,12 +43,14 @@ LEAN_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
 LEAN_MAX_ROWS_NATIVE = 16
 """Most tokens (over the batch) a lean forward takes where bf16 is native (FUSED_MAX_ROWS elsewhere,
 at most FUSED_ATTENTION_MAX_QUERIES per row in both); all its products run on the product kernel.
-That beats the model's own forward, which gives products past kernels.FUSED_MAX_ROWS_NATIVE (6) rows
-to oneDNN: on a 2-core AVX512-BF16 EPYC after 256 cached tokens (medians of 15, interleaved),
+That beat the model's own forward when it gave products past kernels.FUSED_MAX_ROWS_NATIVE (6) rows
+to oneDNN (the kernel's AVX2 path): on a 2-core AVX512-BF16 EPYC after 256 cached tokens (medians of 15, interleaved),
 SmolLM2 7 rows 24.0 vs 49.1 ms, 8: 25.4 vs 47.4, 12: 34.7 vs 50.4, 16: 44.0 vs 53.8; Gemma-3-270M
 7: 39.5 vs 52.4, 12: 60.5 vs 60.3, 16: 74.2 vs 68.4 (its 262k-row lm_head is where oneDNN wins).
 oneDNN products inside the lean forward lost to the kernel at 7-12 rows (SmolLM2 7 rows 30.6 vs
-23.5 ms; docs/perf_log.md)."""
+23.5 ms; docs/perf_log.md). On the kernel's AVX512-BF16 path both forwards keep every product of up
+to 16 rows on it, and the lean one stays 1.1-1.5x faster (SmolLM2 8 tokens 17.1 vs 23.6 ms, 16: 28.7
+vs 35.0; Gemma-3 8: 28.5 vs 33.0, 16: 44.9 vs 49.4)."""
 LEAN_ENV = "SELFDRAFT_LEAN_FORWARD"
 """Set to 0 to send every forward through the model's own (Hugging Face) forward."""
 
