@@ -152,23 +152,11 @@ struct Product {
   const float* bias;
 };
 
-// Every product's features split into tasks of kFeaturesPerTask, all products' tasks in one parallel
-// loop: each thread takes a contiguous run of tasks, possibly across products. Several small products
-// of one input (a layer's q, k and v) then cost one thread hand-off instead of one each, and each
-// thread streams a longer run of weight rows.
+// All products of the same input rows, split into tasks across the threads (for_feature_tasks).
 template <typename Out>
 void run(const float* x, int64_t m, int64_t k, const std::vector<Product<Out>>& products) {
-  std::vector<int64_t> first(products.size() + 1, 0);  // first task of each product
-  for (size_t p = 0; p < products.size(); ++p)
-    first[p + 1] = first[p] + (products[p].n + kFeaturesPerTask - 1) / kFeaturesPerTask;
-  at::parallel_for(0, first.back(), 1, [&](int64_t b0, int64_t b1) {
-    for (size_t p = 0; p < products.size(); ++p) {
-      const int64_t lo = std::max(b0, first[p]), hi = std::min(b1, first[p + 1]);
-      if (lo >= hi) continue;
-      const Product<Out>& q = products[p];
-      features(x, m, q.w, (lo - first[p]) * kFeaturesPerTask, std::min(q.n, (hi - first[p]) * kFeaturesPerTask), k, q.y,
-               q.n, q.bias);
-    }
+  for_feature_tasks(products, kFeaturesPerTask, [&](const Product<Out>& q, int64_t n0, int64_t n1) {
+    features(x, m, q.w, n0, n1, k, q.y, q.n, q.bias);
   });
 }
 

@@ -97,20 +97,10 @@ constexpr int64_t kFeaturesPerTask = 48;
 
 }  // namespace
 
-// Every product's features split into tasks of kFeaturesPerTask, all products' tasks in one parallel
-// loop (as in bf16_linear.cpp).
+// All products of the same input rows, split into tasks across the threads (for_feature_tasks).
 void bf16_products_avx512(const uint16_t* x, int64_t m, int64_t k, const std::vector<BF16Product>& products) {
-  std::vector<int64_t> first(products.size() + 1, 0);  // first task of each product
-  for (size_t p = 0; p < products.size(); ++p)
-    first[p + 1] = first[p] + (products[p].n + kFeaturesPerTask - 1) / kFeaturesPerTask;
-  at::parallel_for(0, first.back(), 1, [&](int64_t b0, int64_t b1) {
-    for (size_t p = 0; p < products.size(); ++p) {
-      const int64_t lo = std::max(b0, first[p]), hi = std::min(b1, first[p + 1]);
-      if (lo >= hi) continue;
-      const BF16Product& q = products[p];
-      features(x, m, q.w, (lo - first[p]) * kFeaturesPerTask, std::min(q.n, (hi - first[p]) * kFeaturesPerTask), k,
-               q.y, q.n, q.bias);
-    }
+  for_feature_tasks(products, kFeaturesPerTask, [&](const BF16Product& q, int64_t n0, int64_t n1) {
+    features(x, m, q.w, n0, n1, k, q.y, q.n, q.bias);
   });
 }
 

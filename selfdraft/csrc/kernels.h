@@ -3,8 +3,10 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -32,6 +34,23 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// Every product's output features split into tasks of `per_task`, all products' tasks in one parallel
+// loop: each thread takes a contiguous run of tasks, possibly across products, and calls
+// run_range(product, n0, n1) for each product's features [n0, n1) in its run. Several small products
+// of one input (a layer's q, k and v) then cost one thread hand-off instead of one each, and each
+// thread streams a longer run of weight rows. Products: a vector of structs with the feature count n.
+template <typename Product, typename RunRange>
+void for_feature_tasks(const std::vector<Product>& products, int64_t per_task, const RunRange& run_range) {
+  std::vector<int64_t> first(products.size() + 1, 0);  // first task of each product
+  for (size_t p = 0; p < products.size(); ++p) first[p + 1] = first[p] + (products[p].n + per_task - 1) / per_task;
+  at::parallel_for(0, first.back(), 1, [&](int64_t b0, int64_t b1) {
+    for (size_t p = 0; p < products.size(); ++p) {
+      const int64_t lo = std::max(b0, first[p]), hi = std::min(b1, first[p + 1]);
+      if (lo < hi) run_range(products[p], (lo - first[p]) * per_task, std::min(products[p].n, (hi - first[p]) * per_task));
+    }
+  });
 }
 
 // x @ weight.T (+ bias) with a bf16 weight, fp32 accumulation (bf16_linear.cpp).
