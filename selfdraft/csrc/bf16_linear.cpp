@@ -7,6 +7,8 @@
 // output rows, stays in L1 while every input row uses it, and nothing is converted in memory.
 // Accumulation is fp32; the result is rounded to the input's dtype (as the bf16 kernel rounds its
 // fp32 accumulator). Built into one module with the other kernels (kernels.h) by selfdraft/kernels.py.
+// Where the CPU has AVX512-BF16, bf16 inputs go to bf16_linear_avx512.cpp instead (bf16_linear_many
+// picks the path; fp32 inputs always stay here).
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -160,14 +162,12 @@ void run(const float* x, int64_t m, int64_t k, const std::vector<Product<Out>>& 
   });
 }
 
-}  // namespace
+std::atomic<bool> use_avx512_bf16{true};  // set_avx512_bf16
 
-namespace {
-std::atomic<bool> use_avx512_bf16{true};
 }  // namespace
 
 bool avx512_bf16_available() {
-  static const bool available = SELFDRAFT_AVX512_BF16 && __builtin_cpu_supports("avx512f") &&
+  static const bool available = SELFDRAFT_HAVE_AVX512_BF16 && __builtin_cpu_supports("avx512f") &&
                                 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                                 __builtin_cpu_supports("avx512bf16");
   return available;

@@ -19,12 +19,10 @@
 // bf16_linear_many calls them only where the CPU reports the instructions.
 #include "kernels.h"
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <utility>
 
-#if SELFDRAFT_AVX512_BF16
+#if SELFDRAFT_HAVE_AVX512_BF16
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 

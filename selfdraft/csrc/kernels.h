@@ -63,9 +63,9 @@ std::vector<at::Tensor> bf16_linear_many(const at::Tensor& x, const std::vector<
 // Whether this compiler has the AVX512-BF16 intrinsics (GCC 10, Clang 9 and later); without them the
 // module builds without that path and every product takes the AVX2 one.
 #if defined(__clang__) ? (__clang_major__ >= 9) : (defined(__GNUC__) && __GNUC__ >= 10)
-#define SELFDRAFT_AVX512_BF16 1
+#define SELFDRAFT_HAVE_AVX512_BF16 1
 #else
-#define SELFDRAFT_AVX512_BF16 0
+#define SELFDRAFT_HAVE_AVX512_BF16 0
 #endif
 
 // One product of bf16 input rows on the AVX512-BF16 path: weight (n, k), bf16 output rows of n, fp32 bias or null.
