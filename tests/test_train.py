@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -120,19 +121,39 @@ def test_wandb_offline_run_files_hold_metrics(tiny_target_dir, data_file, tmp_pa
     assert b"tau_estimate" in blobs and b"loss" in blobs, f"{len(blobs)} bytes of run data without the metrics"
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now (a fixed one can be held by another run on the machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def failure_report(stderr: str, limit: int = 6000) -> str:
+    """A failed launch's first traceback (a rank's own error, printed before the launcher's summary)
+    and the tail of stderr: the tail alone holds only torchrun's 'exitcode 1' summary."""
+    first = stderr.find("Traceback")
+    head = stderr[first : first + limit // 2] if first >= 0 else ""
+    return f"{head}\n...\n{stderr[-limit // 2 :]}"
+
+
 def test_two_cpu_processes_agree(tiny_target_dir, data_file, tmp_path):
-    """Guards DDP on CPU (gloo): both ranks end with the same head weights."""
+    """Guards DDP on CPU (gloo): both ranks end with the same head weights and both ranks' states in the
+    checkpoint (rank 0 renamed the checkpoint folder while rank 1 could still be writing into it)."""
     # accelerate's own --cpu multi-process launch needs mpirun; torchrun (--multi_gpu) + gloo needs nothing
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", "29533", str(ROOT / "train" / "train.py"),
+           "--main_process_port", str(free_port()), str(ROOT / "train" / "train.py"),
            f"target={tiny_target_dir}", f"data={data_file}", "max_samples=64", "eval_samples=8", "max_len=64",
            "batch_size=2", "max_steps=6", "log_every=2", "eval_every=0", "save_every=0", "report_to=none",
            f"out_dir={tmp_path}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_report(proc.stderr)
     digests = sorted(re.findall(r"head digest ([0-9a-f]{64})", proc.stdout))
     assert "MULTI_CPU x2" in proc.stdout, proc.stdout[-2000:]
     assert len(digests) == 2 and digests[0] == digests[1], proc.stdout[-2000:]
+    # the checkpoint holds each rank's RNG state (a resume on two ranks reads both), nothing half-moved
+    ckpts = list((tmp_path / "checkpoints").iterdir())
+    assert [c.name for c in ckpts] == ["step-6"], ckpts
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {f.name for f in ckpts[0].iterdir()}
 
 
 dump_spec = importlib.util.spec_from_file_location("dump_script", ROOT / "train" / "dump_features.py")

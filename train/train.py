@@ -216,6 +216,8 @@ def save_checkpoint(accelerator: Accelerator, out_dir: Path, step: int, state: d
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    # every rank writes its own RNG state file into tmp: none may still be writing when it is renamed
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         replace_dir(tmp, final)
