@@ -35,7 +35,7 @@ class DecodeConfig:
     target: str = opt("smollm2", "target: alias (smollm2, gemma3-270m), local folder, .gguf file or hub id")
     dtype: str = opt("bfloat16", "target dtype: float32 (exact) or bfloat16 (faster on this CPU)")
     drafter: str = opt(
-        "prompt_lookup", "drafter NAME[:key=value,...] (prompt_lookup, layer_skip, draft_model, head:path=DIR) or 'none'"
+        "prompt_lookup", "drafter NAME[:key=value,...] (prompt_lookup, suffix, layer_skip, draft_model, head:path=DIR) or 'none'"
     )
     max_new_tokens: int = opt(128, "maximum new tokens per reply (>= 1)")
     temperature: float = opt(0.0, "0 = greedy; > 0 samples (lossless)")

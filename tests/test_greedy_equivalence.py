@@ -9,7 +9,8 @@ import torch
 from conftest import ARCHS, VOCAB, random_prompt, tiny_model
 from helpers import ScriptedDrafter, log_proposals
 
-from selfdraft.drafters import DraftModelDrafter, PromptLookupDrafter, layer_skip_drafter
+from selfdraft.drafters import DraftModelDrafter, PromptLookupDrafter, SuffixDrafter, layer_skip_drafter
+from selfdraft.drafters.suffix import NgramTable
 from selfdraft.generate import ContextLengthError, GenerationConfig, generate
 
 NEW = 24
@@ -46,7 +47,14 @@ def make_drafters(model, reference, seed):
         "prompt_lookup": PromptLookupDrafter(max_candidates=3),
         "layer_skip": layer_skip_drafter(model, layers=2, gamma=3),
         "draft_model": DraftModelDrafter(noisy_copy(model, 0.3, seed), gamma=3),
+        "suffix": SuffixDrafter(seeded_table(reference)),  # the reply itself: drafts mostly accepted
     }
+
+
+def seeded_table(tokens: list[int]) -> NgramTable:
+    table = NgramTable(4)
+    table.add(tokens)
+    return table
 
 
 def test_plain_decoder_matches_hf_generate(models):
@@ -73,6 +81,7 @@ def test_every_drafter_equals_plain_greedy_over_30_prompts(models):
     assert mean["oracle"] > 3.5, f"oracle drafts must be accepted: tau {mean}"
     assert mean["random"] < 1.2, f"random drafts must be rejected: tau {mean}"
     assert 1.2 < mean["partial"] < mean["oracle"], f"partial drafts partly accepted: tau {mean}"
+    assert mean["suffix"] > 2.0, f"a table holding the reply drafts it: tau {mean}"
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])

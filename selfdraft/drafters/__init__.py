@@ -12,6 +12,7 @@ from selfdraft.drafters.draft_model import DraftModelDrafter
 from selfdraft.drafters.layer_skip import layer_skip_drafter
 from selfdraft.drafters.merged import MergedDrafter, merge_drafts
 from selfdraft.drafters.prompt_lookup import PromptLookupDrafter
+from selfdraft.drafters.suffix import NgramTable, SuffixDrafter, table_from_texts
 
 
 def _draft_model(target: nn.Module, model: str | nn.Module, dtype: str | None = None, **options) -> Drafter:
@@ -53,9 +54,34 @@ def _head_factory(target: nn.Module, path: str, lookup: int = 0, temperature: fl
     return lambda: head_type(kind).drafter(head, **settings)
 
 
+def _suffix_factory(target: nn.Module, corpus: str = "", max_ngram: int = 6, **options) -> Callable[[], Drafter]:
+    """Suffix drafters sharing one table: seeded with the assistant replies of ``corpus`` (a
+    conversations file or folder, e.g. ``selfdraft distill`` output of this target), then growing
+    with every finished reply."""
+    table = NgramTable(int(max_ngram))
+    if corpus:
+        from transformers import AutoTokenizer
+
+        from selfdraft.data import load_conversations
+
+        conversations, _ = load_conversations(corpus)
+        replies = [m["content"] for c in conversations for m in c if m["role"] == "assistant"]
+        if not replies:
+            raise ValueError(f"suffix corpus {corpus} holds no assistant replies")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(target.name_or_path)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"suffix corpus: the target's tokenizer is not at {target.name_or_path!r} ({err}); "
+                             "load the target once so its de-quantised copy (with the tokenizer) is cached") from err
+        table = table_from_texts(replies, tokenizer, int(max_ngram))
+        print(f"[suffix] table of {len(replies)} replies ({table.tokens} tokens) from {corpus}", file=sys.stderr)
+    return lambda: SuffixDrafter(table, **options)
+
+
 DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "head": _head,
     "prompt_lookup": lambda target, **options: PromptLookupDrafter(**options),
+    "suffix": lambda target, **options: _suffix_factory(target, **options)(),
     "layer_skip": layer_skip_drafter,
     "draft_model": _draft_model,
 }
@@ -73,6 +99,13 @@ def drafter_factory(name: str, target: nn.Module, temperature: float = 0.0, **op
             factory()
         except TypeError as err:
             raise ValueError(f"bad options for drafter 'head': {err}") from err
+        return factory
+    if name == "suffix":  # one table for all the rows
+        try:
+            factory = _suffix_factory(target, **options)
+            factory()
+        except TypeError as err:
+            raise ValueError(f"bad options for drafter 'suffix': {err}") from err
         return factory
     build_drafter(name, target, **options)
     return lambda: build_drafter(name, target, **options)
@@ -99,6 +132,7 @@ __all__ = [
     "MergedDrafter",
     "PromptLookupDrafter",
     "StepResult",
+    "SuffixDrafter",
     "build_drafter",
     "drafter_factory",
     "layer_skip_drafter",

@@ -1,0 +1,134 @@
+"""Suffix decoding (Oliaro et al., 2024, "SuffixDecoding"; vLLM's ``suffix`` method): draft from the
+target's earlier replies as well as from the request itself.
+
+A table counts, for every context of 1..``max_ngram`` tokens, the tokens that followed it in the
+replies of finished requests (and, optionally, in a file of the target's own replies, e.g. what
+``selfdraft distill`` wrote). Each step drafts a chain from the longest context of the committed
+tokens the table holds, following the most frequent next token while its share of that context's
+counts is at least ``min_prob``; prompt lookup's continuation from the request is merged in as a
+second path. Deterministic (``q`` is None), so sampling stays lossless; no model runs.
+
+The table must hold the target's phrasing: replies written by another model match far less
+(docs/perf_log.md, twenty-sixth session).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from selfdraft.drafters.base import Draft, StepResult
+from selfdraft.drafters.prompt_lookup import find_continuations
+from selfdraft.sampling import SamplingConfig
+from selfdraft.tree import tree_from_token_paths
+
+
+class NgramTable:
+    """Next-token counts after every context of 1..max_ngram tokens of the sequences added.
+
+    Per context it keeps the counts, their total and the most frequent next token, so a lookup is
+    one dict access per context length tried.
+    """
+
+    def __init__(self, max_ngram: int = 6):
+        if max_ngram < 1:
+            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+        self.max_ngram = max_ngram
+        self._next: dict[tuple[int, ...], dict[int, int]] = {}
+        self._best: dict[tuple[int, ...], tuple[int, int, int]] = {}
+        """context -> (most frequent next token, its count, total count)."""
+        self.tokens = 0
+
+    def add(self, seq: Sequence[int]) -> None:
+        """Count every (context, next token) pair of ``seq``."""
+        seq = [int(t) for t in seq]
+        self.tokens += len(seq)
+        for i in range(1, len(seq)):
+            nxt = seq[i]
+            for n in range(1, min(self.max_ngram, i) + 1):
+                ctx = tuple(seq[i - n : i])
+                counts = self._next.setdefault(ctx, {})
+                c = counts.get(nxt, 0) + 1
+                counts[nxt] = c
+                best, best_c, total = self._best.get(ctx, (nxt, 0, 0))
+                self._best[ctx] = (nxt, c, total + 1) if c > best_c else (best, best_c, total + 1)
+
+    def chain(self, context: Sequence[int], length: int, min_ngram: int = 2, min_prob: float = 0.4) -> list[int]:
+        """Up to ``length`` tokens: from the longest context (>= min_ngram tokens) the table holds,
+        the most frequent next token, while its share of the counts is >= min_prob."""
+        ctx = [int(t) for t in context[-self.max_ngram :]]
+        out: list[int] = []
+        while len(out) < length:
+            hit = None
+            for n in range(min(self.max_ngram, len(ctx)), min_ngram - 1, -1):
+                hit = self._best.get(tuple(ctx[-n:]))
+                if hit is not None:
+                    break
+            if hit is None or hit[1] < min_prob * hit[2]:
+                break
+            out.append(hit[0])
+            ctx = ctx[1:] + [hit[0]] if len(ctx) == self.max_ngram else ctx + [hit[0]]
+        return out
+
+
+class SuffixDrafter:
+    """Drafts a chain from a table of earlier replies merged with prompt lookup's continuation.
+
+    ``table`` may be shared by several drafters (the rows of a batch); with ``learn`` each finished
+    reply (the tokens generated after the prompt, as far as the drafter saw them) is added to it when
+    the drafter starts the next sequence. ``lookup`` = prompt lookup's draft length (0: the table only).
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+    proposes_for_free = True  # dict lookups and an n-gram search, no model, no state changed
+
+    def __init__(self, table: NgramTable | None = None, num_tokens: int = 3, min_ngram: int = 2,
+                 min_prob: float = 0.4, lookup: int = 10, learn: bool = True):
+        if num_tokens < 1 or lookup < 0:
+            raise ValueError(f"need num_tokens >= 1 and lookup >= 0, got {num_tokens}, {lookup}")
+        if not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"min_prob must be in [0, 1], got {min_prob}")
+        self.table = table if table is not None else NgramTable()
+        if not 1 <= min_ngram <= self.table.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= {self.table.max_ngram} (the table's max_ngram), got {min_ngram}")
+        self.num_tokens, self.min_ngram, self.min_prob = num_tokens, min_ngram, min_prob
+        self.lookup, self.learn = lookup, learn
+        self._prompt_len = 0
+        self._seen: Tensor | None = None
+
+    def _learn_previous(self) -> None:
+        if self.learn and self._seen is not None and self._seen.numel() > self._prompt_len:
+            self.table.add(self._seen[self._prompt_len :].tolist())
+        self._seen = None
+
+    def reset(self, step: StepResult) -> None:
+        self._learn_previous()
+        self._prompt_len = step.tokens.numel() - 1  # step.tokens: the prompt and the first new token
+        self._seen = step.tokens
+
+    def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        paths: list[list[int]] = []
+        if self.lookup:
+            for n in (3, 2):
+                found = find_continuations(tokens, n, self.lookup, 1)
+                if found:
+                    paths += found
+                    break
+        chain = self.table.chain(tokens[-self.table.max_ngram :].tolist(), self.num_tokens, self.min_ngram, self.min_prob)
+        if chain:
+            paths.append(chain)
+        tree, node_tokens = tree_from_token_paths(int(tokens[-1]), paths)
+        return Draft(tree, node_tokens)
+
+    def update(self, step: StepResult) -> None:
+        self._seen = step.tokens
+
+
+def table_from_texts(texts: Iterable[str], tokenizer, max_ngram: int = 6) -> NgramTable:
+    """A table of the given replies, tokenized as the target generates them (no special tokens)."""
+    table = NgramTable(max_ngram)
+    for text in texts:
+        table.add(tokenizer.encode(text, add_special_tokens=False))
+    return table
