@@ -2,8 +2,9 @@
 
 Replays the target's own greedy replies step by step, as the decode loop would verify them: each
 step drafts with prompt lookup (the engine's ``find_continuations``: 3..2-grams, 10 tokens) and/or a
-chain from an n-gram table of other replies (the longest matching context of up to ``--max-ngram``
-tokens, its most frequent next token while that token's share is at least ``--min-prob``), accepts
+chain from an n-gram table of other replies (``selfdraft.drafters.suffix.NgramTable``, as the
+``suffix`` drafter drafts: the longest matching context of up to ``--max-ngram`` tokens, its most
+frequent next token while that token's share is at least min_prob), accepts
 the longest agreeing prefix, and charges the verification of the merged draft at the measured cost
 of a lean forward of that many tokens (``scripts/forward_routes.py`` JSON). The table grows with the
 replies already replayed (as a server's cache of finished requests would) and can be seeded with a
@@ -19,48 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
 
 from selfdraft.benchmark import load_conversations
 from selfdraft.drafters.prompt_lookup import find_continuations
+from selfdraft.drafters.suffix import NgramTable
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.target import load_target
 
 STEP_OVERHEAD_MS = 0.4  # the decode loop's own time per step (other% of the 80-question runs)
-
-
-class NgramTable:
-    """Next-token counts after every context of 1..max_ngram tokens seen in the added sequences."""
-
-    def __init__(self, max_ngram: int):
-        self.max_ngram = max_ngram
-        self.counts: list[dict[tuple[int, ...], Counter]] = [defaultdict(Counter) for _ in range(max_ngram + 1)]
-
-    def add(self, seq: list[int]) -> None:
-        for n in range(1, self.max_ngram + 1):
-            table = self.counts[n]
-            for i in range(len(seq) - n):
-                table[tuple(seq[i : i + n])][seq[i + n]] += 1
-
-    def chain(self, context: list[int], length: int, min_ngram: int, min_prob: float) -> list[int]:
-        """Greedy chain from the longest matching context; stops where the best share < min_prob."""
-        ctx, out = list(context[-self.max_ngram :]), []
-        while len(out) < length:
-            for n in range(self.max_ngram, min_ngram - 1, -1):
-                nxt = self.counts[n].get(tuple(ctx[-n:])) if len(ctx) >= n else None
-                if nxt:
-                    break
-            else:
-                return out
-            token, count = nxt.most_common(1)[0]
-            if count / sum(nxt.values()) < min_prob:
-                return out
-            out.append(token)
-            ctx.append(token)
-        return out
 
 
 def forward_cost(costs: dict[int, float], n: int) -> float:
