@@ -26,7 +26,7 @@ import torch
 
 from selfdraft.benchmark import load_conversations
 from selfdraft.drafters.prompt_lookup import find_continuations
-from selfdraft.drafters.suffix import NgramTable
+from selfdraft.drafters.suffix import NgramTable, corpus_replies
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.target import load_target
 
@@ -81,17 +81,6 @@ def replay(rows: list[dict], table: NgramTable | None, lookup: bool, costs: dict
     return {"tau": tokens / steps, "drafted": drafted / steps, "model_tok_s": 1000 * tokens / ms}
 
 
-def corpus_replies(path: str, tokenizer) -> list[list[int]]:
-    out = []
-    for line in Path(path).read_text(encoding="utf-8").split("\n"):
-        if line.strip():
-            record = json.loads(line)
-            for m in record["conversations"]:
-                if m["from"] == "gpt":
-                    out.append(tokenizer.encode(m["value"], add_special_tokens=False))
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="smollm2")
@@ -122,7 +111,8 @@ def main() -> None:
             replies[spec] = rows
         if cache is not None:
             cache.write_text(json.dumps(replies))
-    seed = corpus_replies(args.corpus, target.tokenizer) if args.corpus else []
+    tokenize = target.tokenizer.encode
+    seed = [tokenize(t, add_special_tokens=False) for t in corpus_replies(args.corpus)] if args.corpus else []
     settings = [("lookup", False, 0, 0), ("lookup + table", True, 1, 0.3), ("lookup + table", True, 2, 0.4)]
     results = []
     print(f"seed corpus: {len(seed)} replies, {sum(map(len, seed))} tokens")

@@ -12,7 +12,7 @@ from selfdraft.drafters.draft_model import DraftModelDrafter
 from selfdraft.drafters.layer_skip import layer_skip_drafter
 from selfdraft.drafters.merged import MergedDrafter, merge_drafts
 from selfdraft.drafters.prompt_lookup import PromptLookupDrafter
-from selfdraft.drafters.suffix import NgramTable, SuffixDrafter, table_from_texts
+from selfdraft.drafters.suffix import NgramTable, SuffixDrafter, corpus_table
 
 
 def _draft_model(target: nn.Module, model: str | nn.Module, dtype: str | None = None, **options) -> Drafter:
@@ -62,20 +62,24 @@ def _suffix_factory(target: nn.Module, corpus: str = "", max_ngram: int = 6, **o
     if corpus:
         from transformers import AutoTokenizer
 
-        from selfdraft.data import load_conversations
-
-        conversations, _ = load_conversations(corpus)
-        replies = [m["content"] for c in conversations for m in c if m["role"] == "assistant"]
-        if not replies:
-            raise ValueError(f"suffix corpus {corpus} holds no assistant replies")
         try:
             tokenizer = AutoTokenizer.from_pretrained(target.name_or_path)
         except (OSError, ValueError) as err:
             raise ValueError(f"suffix corpus: the target's tokenizer is not at {target.name_or_path!r} ({err}); "
                              "load the target once so its de-quantised copy (with the tokenizer) is cached") from err
-        table = table_from_texts(replies, tokenizer, int(max_ngram))
-        print(f"[suffix] table of {len(replies)} replies ({table.tokens} tokens) from {corpus}", file=sys.stderr)
+        table = corpus_table(corpus, tokenizer, int(max_ngram))
+        print(f"[suffix] table of {table.tokens} tokens of replies from {corpus}", file=sys.stderr)
     return lambda: SuffixDrafter(table, **options)
+
+
+def _checked_factory(name: str, make: Callable[[], Callable[[], Drafter]]) -> Callable[[], Drafter]:
+    """``make()``'s factory, with one drafter built right away so bad options fail here, as ValueError."""
+    try:
+        factory = make()
+        factory()
+    except TypeError as err:
+        raise ValueError(f"bad options for drafter '{name}': {err}") from err
+    return factory
 
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {
@@ -94,19 +98,9 @@ def drafter_factory(name: str, target: nn.Module, temperature: float = 0.0, **op
     if name == "head":
         if "path" not in options:
             raise ValueError("the head drafter needs path=HEAD_DIR")
-        try:
-            factory = _head_factory(target, temperature=temperature, **options)
-            factory()
-        except TypeError as err:
-            raise ValueError(f"bad options for drafter 'head': {err}") from err
-        return factory
+        return _checked_factory(name, lambda: _head_factory(target, temperature=temperature, **options))
     if name == "suffix":  # one table for all the rows
-        try:
-            factory = _suffix_factory(target, **options)
-            factory()
-        except TypeError as err:
-            raise ValueError(f"bad options for drafter 'suffix': {err}") from err
-        return factory
+        return _checked_factory(name, lambda: _suffix_factory(target, **options))
     build_drafter(name, target, **options)
     return lambda: build_drafter(name, target, **options)
 

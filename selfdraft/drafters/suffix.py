@@ -14,13 +14,15 @@ The table must hold the target's phrasing: replies written by another model matc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from selfdraft.drafters.base import Draft, StepResult
-from selfdraft.drafters.prompt_lookup import find_continuations
+from selfdraft.drafters.merged import merge_drafts
+from selfdraft.drafters.prompt_lookup import PromptLookupDrafter
 from selfdraft.sampling import SamplingConfig
 from selfdraft.tree import tree_from_token_paths
 
@@ -78,7 +80,8 @@ class SuffixDrafter:
 
     ``table`` may be shared by several drafters (the rows of a batch); with ``learn`` each finished
     reply (the tokens generated after the prompt, as far as the drafter saw them) is added to it when
-    the drafter starts the next sequence. ``lookup`` = prompt lookup's draft length (0: the table only).
+    the drafter starts the next sequence. ``lookup`` = prompt lookup's draft length (its default
+    n-grams; 0: the table only).
     """
 
     hidden_layers: tuple[int, ...] = ()
@@ -94,7 +97,8 @@ class SuffixDrafter:
         if not 1 <= min_ngram <= self.table.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= {self.table.max_ngram} (the table's max_ngram), got {min_ngram}")
         self.num_tokens, self.min_ngram, self.min_prob = num_tokens, min_ngram, min_prob
-        self.lookup, self.learn = lookup, learn
+        self.learn = learn
+        self._lookup = PromptLookupDrafter(num_tokens=lookup) if lookup else None
         self._prompt_len = 0
         self._seen: Tensor | None = None
 
@@ -109,26 +113,28 @@ class SuffixDrafter:
         self._seen = step.tokens
 
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        paths: list[list[int]] = []
-        if self.lookup:
-            for n in (3, 2):
-                found = find_continuations(tokens, n, self.lookup, 1)
-                if found:
-                    paths += found
-                    break
         chain = self.table.chain(tokens[-self.table.max_ngram :].tolist(), self.num_tokens, self.min_ngram, self.min_prob)
-        if chain:
-            paths.append(chain)
-        tree, node_tokens = tree_from_token_paths(int(tokens[-1]), paths)
-        return Draft(tree, node_tokens)
+        drafts = [self._lookup.propose(tokens, sampling, generator)] if self._lookup is not None else []
+        return merge_drafts(drafts + [Draft(*tree_from_token_paths(int(tokens[-1]), [chain] if chain else []))])
 
     def update(self, step: StepResult) -> None:
         self._seen = step.tokens
 
 
-def table_from_texts(texts: Iterable[str], tokenizer, max_ngram: int = 6) -> NgramTable:
-    """A table of the given replies, tokenized as the target generates them (no special tokens)."""
+def corpus_replies(corpus: str | Path) -> list[str]:
+    """The assistant replies of a conversations file or folder (any format ``selfdraft.data`` reads)."""
+    from selfdraft.data import load_conversations
+
+    conversations, _ = load_conversations(corpus)
+    replies = [m["content"] for c in conversations for m in c if m["role"] == "assistant"]
+    if not replies:
+        raise ValueError(f"suffix corpus {corpus} holds no assistant replies")
+    return replies
+
+
+def corpus_table(corpus: str | Path, tokenizer, max_ngram: int = 6) -> NgramTable:
+    """A table of a corpus's assistant replies, tokenized as the target generates them (no special tokens)."""
     table = NgramTable(max_ngram)
-    for text in texts:
+    for text in corpus_replies(corpus):
         table.add(tokenizer.encode(text, add_special_tokens=False))
     return table
