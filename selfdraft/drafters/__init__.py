@@ -27,38 +27,52 @@ def _head(target: nn.Module, path: str, **options) -> Drafter:
     return _head_factory(target, path, **options)()
 
 
-def _head_factory(target: nn.Module, path: str, lookup: int = 0, temperature: float = 0.0, **options) -> Callable[[], Drafter]:
+def _head_factory(target: nn.Module, path: str, lookup: int = 0, suffix: bool | str = False,
+                  temperature: float = 0.0, **options) -> Callable[[], Drafter]:
     """Read the head folder once; drafters built from it share the head module. Options default to
     the folder's tune.json (the tree ``selfdraft tune`` picked for this machine; with ``lookup=N`` the
     one it picked to merge with lookup, ``selfdraft tune --lookup N``; at ``temperature`` > 0, the
     generation's sampling temperature, the one it picked for sampling, ``selfdraft tune --temperature``).
     ``lookup=N`` (> 0) merges a prompt-lookup continuation of up to N tokens into every head tree
-    (MergedDrafter)."""
+    (MergedDrafter). ``suffix=true`` merges a suffix drafter instead (its table of earlier replies
+    and the same N-token lookup; one table for all drafters of the factory), ``suffix=FILE`` one
+    whose table is seeded with the replies of a conversations file (as ``suffix:corpus=FILE``)."""
     from selfdraft.heads import head_type, load_head
     from selfdraft.tune import read_tuned
 
     lookup = int(lookup)
     if lookup < 0:
         raise ValueError(f"lookup must be >= 0 draft tokens, got {lookup}")
+    if not isinstance(suffix, (bool, str)):
+        raise ValueError(f"suffix must be true, false or a conversations file (the table's seed), got {suffix!r}")
     kind, head, _ = load_head(path, target)
     tuned = read_tuned(path, lookup, temperature)
     if tuned:
         shown = {k: v for k, v in tuned.items() if k != "paths"} or f"{len(tuned['paths'])} paths"
         print(f"[head] tree tuned for this machine (tune.json): {shown}; options given here override it", file=sys.stderr)
     settings = {**tuned, **options}
-    if lookup and settings.get("sample"):
+    if (lookup or suffix) and settings.get("sample"):
         raise ValueError("sample=true draws the head's children at random, and a merged tree needs deterministic "
-                         "members: drop sample or lookup")
+                         "members: drop sample, or lookup and suffix")
+    if suffix:
+        corpus = suffix if isinstance(suffix, str) else ""
+        member = _suffix_factory(target, corpus=corpus, lookup=lookup)
+        return lambda: MergedDrafter([head_type(kind).drafter(head, **settings), member()])
     if lookup:
         return lambda: MergedDrafter([head_type(kind).drafter(head, **settings), PromptLookupDrafter(num_tokens=lookup)])
     return lambda: head_type(kind).drafter(head, **settings)
 
 
-def _suffix_factory(target: nn.Module, corpus: str = "", max_ngram: int = 6, **options) -> Callable[[], Drafter]:
+SUFFIX_MAX_TOKENS = 1_000_000
+"""The suffix table's default bound, in tokens (Python dicts of about 0.8 KiB per token of SmolLM2 replies)."""
+
+
+def _suffix_factory(target: nn.Module, corpus: str = "", max_ngram: int = 6, max_tokens: int = SUFFIX_MAX_TOKENS,
+                    **options) -> Callable[[], Drafter]:
     """Suffix drafters sharing one table: seeded with the assistant replies of ``corpus`` (a
     conversations file or folder, e.g. ``selfdraft distill`` output of this target), then growing
-    with every finished reply."""
-    table = NgramTable(int(max_ngram))
+    with every reply, up to the most recent ``max_tokens`` tokens (0: no bound)."""
+    table = NgramTable(int(max_ngram), int(max_tokens))
     if corpus:
         from transformers import AutoTokenizer
 
@@ -67,7 +81,7 @@ def _suffix_factory(target: nn.Module, corpus: str = "", max_ngram: int = 6, **o
         except (OSError, ValueError) as err:
             raise ValueError(f"suffix corpus: the target's tokenizer is not at {target.name_or_path!r} ({err}); "
                              "load the target once so its de-quantised copy (with the tokenizer) is cached") from err
-        table = corpus_table(corpus, tokenizer, int(max_ngram))
+        table = corpus_table(corpus, tokenizer, int(max_ngram), int(max_tokens))
         print(f"[suffix] table of {table.tokens} tokens of replies from {corpus}", file=sys.stderr)
     return lambda: SuffixDrafter(table, **options)
 
