@@ -2,11 +2,12 @@
 target's earlier replies as well as from the request itself.
 
 A table counts, for every context of 1..``max_ngram`` tokens, the tokens that followed it in the
-replies of earlier requests and the reply being generated, as its tokens are committed (and, optionally, in a file of the target's own replies, e.g. what
-``selfdraft distill`` wrote). Each step drafts a chain from the longest context of the committed
-tokens the table holds, following the most frequent next token while its share of that context's
-counts is at least ``min_prob``; prompt lookup's continuation from the request is merged in as a
-second path. Deterministic (``q`` is None), so sampling stays lossless; no model runs.
+replies of earlier requests and in the reply being generated, as its tokens are committed (and,
+optionally, in a file of the target's own replies, e.g. what ``selfdraft distill`` wrote). Each
+step drafts a chain from the longest context of the committed tokens the table holds, following the
+most frequent next token while its share of that context's counts is at least ``min_prob``; prompt
+lookup's continuation from the request is merged in as a second path. Deterministic (``q`` is
+None), so sampling stays lossless; no model runs.
 
 The table must hold the target's phrasing: replies written by another model match far less
 (docs/perf_log.md, twenty-sixth session).
