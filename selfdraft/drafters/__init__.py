@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from functools import partial
 
 from torch import nn
 
@@ -54,13 +55,13 @@ def _head_factory(target: nn.Module, path: str, lookup: int = 0, suffix: bool | 
     if (lookup or suffix) and settings.get("sample"):
         raise ValueError("sample=true draws the head's children at random, and a merged tree needs deterministic "
                          "members: drop sample, or lookup and suffix")
+    if not (lookup or suffix):
+        return lambda: head_type(kind).drafter(head, **settings)
     if suffix:
-        corpus = suffix if isinstance(suffix, str) else ""
-        member = _suffix_factory(target, corpus=corpus, lookup=lookup)
-        return lambda: MergedDrafter([head_type(kind).drafter(head, **settings), member()])
-    if lookup:
-        return lambda: MergedDrafter([head_type(kind).drafter(head, **settings), PromptLookupDrafter(num_tokens=lookup)])
-    return lambda: head_type(kind).drafter(head, **settings)
+        member = _suffix_factory(target, corpus=suffix if isinstance(suffix, str) else "", lookup=lookup)
+    else:
+        member = partial(PromptLookupDrafter, num_tokens=lookup)
+    return lambda: MergedDrafter([head_type(kind).drafter(head, **settings), member()])
 
 
 SUFFIX_MAX_TOKENS = 1_000_000
@@ -72,17 +73,18 @@ def _suffix_factory(target: nn.Module, corpus: str = "", max_ngram: int = 6, max
     """Suffix drafters sharing one table: seeded with the assistant replies of ``corpus`` (a
     conversations file or folder, e.g. ``selfdraft distill`` output of this target), then growing
     with every reply, up to the most recent ``max_tokens`` tokens (0: no bound)."""
-    table = NgramTable(int(max_ngram), int(max_tokens))
-    if corpus:
-        from transformers import AutoTokenizer
+    if not corpus:
+        table = NgramTable(int(max_ngram), int(max_tokens))
+        return lambda: SuffixDrafter(table, **options)
+    from transformers import AutoTokenizer
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(target.name_or_path)
-        except (OSError, ValueError) as err:
-            raise ValueError(f"suffix corpus: the target's tokenizer is not at {target.name_or_path!r} ({err}); "
-                             "load the target once so its de-quantised copy (with the tokenizer) is cached") from err
-        table = corpus_table(corpus, tokenizer, int(max_ngram), int(max_tokens))
-        print(f"[suffix] table of {table.tokens} tokens of replies from {corpus}", file=sys.stderr)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target.name_or_path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"suffix corpus: the target's tokenizer is not at {target.name_or_path!r} ({err}); "
+                         "load the target once so its de-quantised copy (with the tokenizer) is cached") from err
+    table = corpus_table(corpus, tokenizer, int(max_ngram), int(max_tokens))
+    print(f"[suffix] table of {table.tokens} tokens of replies from {corpus}", file=sys.stderr)
     return lambda: SuffixDrafter(table, **options)
 
 
