@@ -111,14 +111,16 @@ class SuffixDrafter:
     ``table`` may be shared by several drafters (the rows of a batch); with ``learn`` the reply (the
     tokens generated after the prompt) is added to it as its tokens are committed, so later requests,
     and the rest of this one, draft from it. ``lookup`` = prompt lookup's draft length (its default
-    n-grams; 0: the table only).
+    n-grams; 0: the table only), its length adapting to the sequence and its loops repeating
+    (``adaptive``, ``periodic``: :class:`PromptLookupDrafter`).
     """
 
     hidden_layers: tuple[int, ...] = ()
     proposes_for_free = True  # dict lookups and an n-gram search, no model, no state changed
 
     def __init__(self, table: NgramTable | None = None, num_tokens: int = 3, min_ngram: int = 2,
-                 min_prob: float = 0.4, lookup: int = 10, learn: bool = True):
+                 min_prob: float = 0.4, lookup: int = 10, learn: bool = True, adaptive: bool = True,
+                 periodic: bool = True):
         if num_tokens < 1 or lookup < 0:
             raise ValueError(f"need num_tokens >= 1 and lookup >= 0, got {num_tokens}, {lookup}")
         if not 0.0 <= min_prob <= 1.0:
@@ -128,7 +130,7 @@ class SuffixDrafter:
             raise ValueError(f"need 1 <= min_ngram <= {self.table.max_ngram} (the table's max_ngram), got {min_ngram}")
         self.num_tokens, self.min_ngram, self.min_prob = num_tokens, min_ngram, min_prob
         self.learn = learn
-        self._lookup = PromptLookupDrafter(num_tokens=lookup) if lookup else None
+        self._lookup = PromptLookupDrafter(num_tokens=lookup, adaptive=adaptive, periodic=periodic) if lookup else None
         self._prompt_len = 0
         self._counted = 0
         """Tokens of the sequence whose pairs the table holds (the prompt's are never counted)."""
@@ -143,6 +145,8 @@ class SuffixDrafter:
     def reset(self, step: StepResult) -> None:
         self._prompt_len = self._counted = step.tokens.numel() - 1  # step.tokens: the prompt and the first new token
         self._learn(step.tokens)
+        if self._lookup is not None:
+            self._lookup.reset(step)
 
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         chain = self.table.chain(tokens[-self.table.max_ngram :].tolist(), self.num_tokens, self.min_ngram, self.min_prob)
@@ -151,6 +155,8 @@ class SuffixDrafter:
 
     def update(self, step: StepResult) -> None:
         self._learn(step.tokens)
+        if self._lookup is not None:
+            self._lookup.update(step)
 
 
 def corpus_replies(corpus: str | Path) -> list[str]:
