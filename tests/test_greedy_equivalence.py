@@ -203,7 +203,11 @@ def test_shadow_drafts_score_what_verification_accepts(models, monkeypatch):
 
     def run(always: bool):
         proposed, scores = [], []
-        drafter = log_proposals(PromptLookupDrafter(), proposed)
+        # fixed, unextended drafts: the runs are compared draft by draft at the same roots. An adaptive
+        # length follows each run's own steps (verified or plain) to different drafts; periodic drafts
+        # are all full-length here, so the verified run moves 11 tokens a draft and the shadowed one 10,
+        # and their roots drift apart after the first
+        drafter = log_proposals(PromptLookupDrafter(adaptive=False, periodic=False), proposed)
         monkeypatch.setattr(gate_module.SpeculationGate, "speculate", lambda self, rows, kind=None: always)
         real_record = gate_module.SpeculationGate.record
         monkeypatch.setattr(gate_module.SpeculationGate, "record", lambda self, rows, spec, tokens, s, kind=None:
