@@ -18,7 +18,7 @@ GREEDY = SamplingConfig(temperature=0.0)
 
 def test_adapt_length_rules():
     assert adapt_length(4, [[1, 2, 3, 4]], [1, 2, 3, 4, 9], 2, 16) == 6  # committed whole at full length
-    assert adapt_length(15, [[1, 2, 3, 4]] * 1, [1, 2, 3, 4], 2, 16) == 15  # shorter than the length: no signal
+    assert adapt_length(15, [[1, 2, 3, 4]], [1, 2, 3, 4], 2, 16) == 15  # shorter than the length: no signal
     assert adapt_length(16, [list(range(16))], list(range(17)), 2, 16) == 16  # capped
     assert adapt_length(4, [[1, 2, 3, 4]], [1, 2, 7], 2, 16) == 3  # left at the third token
     assert adapt_length(2, [[1, 2]], [5], 2, 16) == 2  # floored

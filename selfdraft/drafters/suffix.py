@@ -116,7 +116,7 @@ class SuffixDrafter:
     """
 
     hidden_layers: tuple[int, ...] = ()
-    proposes_for_free = True  # dict lookups and an n-gram search, no model, no state changed
+    proposes_for_free = True  # dict lookups and an n-gram search, no model; what it keeps only scores the next update
 
     def __init__(self, table: NgramTable | None = None, num_tokens: int = 3, min_ngram: int = 2,
                  min_prob: float = 0.4, lookup: int = 10, learn: bool = True, adaptive: bool = True,
