@@ -39,6 +39,12 @@ steps and a long copied span where the context repeats itself, two modes with di
 acceptance. The gate keeps a drafting estimate per kind and decides per kind, against one shared
 plain-step time: the copied spans keep being verified where the head alone does not pay, and one
 kind's losing streak does not switch the other off.
+
+A step can also offer *alternative* drafts (:meth:`SpeculationGate.pick`): where a merged drafter's
+free member has a draft, the loop may verify the merged tree (the head's nodes included) or the free
+member's draft alone (no head forward, a smaller tree). Each alternative is a kind of its own; the
+gate runs the one with the best optimistic rate while that beats plain decoding, and the ones not run
+age as a plain step ages the kind it replaced, so a losing alternative is probed again.
 """
 
 from __future__ import annotations
@@ -207,19 +213,36 @@ class SpeculationGate:
 
     def speculate(self, rows: int, kind: object = None) -> bool:
         """Whether the next step with ``rows`` rows (of ``kind``) should draft."""
-        s, p = self._at(rows, kind)
-        p.steps += 1
-        if s.spec_steps < WARMUP:
-            return True
-        if p.plain_steps < WARMUP:
-            return False
-        if p.steps - p.last_plain >= self.probe_every:
-            return False  # re-measure the plain step time
-        optimistic, plain = self.optimistic_rate(rows, kind), self.rate(rows, False)
-        return optimistic is None or plain is None or optimistic >= plain
+        return self.pick(rows, (kind,)) is not None
 
-    def record(self, rows: int, speculative: bool, tokens: int, seconds: float, kind: object = None) -> None:
-        """One step's outcome: ``tokens`` committed over all rows in ``seconds``."""
+    def pick(self, rows: int, kinds: Sequence[object]) -> int | None:
+        """Which of the alternative drafts ``kinds`` the next step with ``rows`` rows verifies (an index
+        into ``kinds``), or None for a plain step. Each kind first drafts ``WARMUP`` times; then the one
+        with the best optimistic rate drafts while that rate is at least the plain rate."""
+        stats = [self._at(rows, kind)[0] for kind in kinds]
+        p = self.plain.setdefault(rows, _Plain())
+        p.steps += 1
+        cold = next((i for i, s in enumerate(stats) if s.spec_steps < WARMUP), None)
+        if cold is not None:
+            return cold
+        if p.plain_steps < WARMUP:
+            return None
+        if p.steps - p.last_plain >= self.probe_every:
+            return None  # re-measure the plain step time
+        rates = [self.optimistic_rate(rows, kind) for kind in kinds]
+        unmeasured = next((i for i, r in enumerate(rates) if r is None), None)
+        plain = self.rate(rows, False)
+        if unmeasured is not None or plain is None:
+            return 0 if unmeasured is None else unmeasured
+        best = max(range(len(kinds)), key=rates.__getitem__)
+        return best if rates[best] >= plain else None
+
+    def record(self, rows: int, speculative: bool, tokens: int, seconds: float, kind: object = None,
+               idle: Sequence[object] = ()) -> None:
+        """One step's outcome: ``tokens`` committed over all rows in ``seconds``. ``idle``: the other
+        kinds :meth:`pick` was offered and did not run; their estimates age as on a plain step."""
+        for other in idle:
+            self._at(rows, other)[0].age()
         s, p = self._at(rows, kind)
         if speculative:
             s.add_tokens(tokens / rows)

@@ -170,6 +170,9 @@ def generate(
     shadow_kind = None
     gate_kind = getattr(drafter, "gate_kind", None) if gate is not None else None
     shadow_draft = getattr(drafter, "shadow_draft", None) if gate is not None else None
+    # a merged drafter's free members' draft may also be verified alone (no head forward): an alternative
+    # the gate weighs against the whole tree and plain decoding (SpeculationGate.pick)
+    free_alone = shadow_draft is not None and getattr(drafter, "free_alone", False)
     stats = GenerationStats()
     out = GenerationOutput(tokens=[], sources=[], stop_reason="max_new_tokens", stats=stats)
     if budget == 0:
@@ -210,14 +213,20 @@ def generate(
         t0 = time.perf_counter()
         context = torch.tensor(committed) if drafter is not None else None
         kind = gate_kind(context, cfg.sampling) if gate_kind is not None else None
-        if drafter is None or (gate is not None and not gate.speculate(1, kind)):
+        free = shadow_draft(context, cfg.sampling) if free_alone else None
+        kinds = (kind,) if free is None else (kind, ("free alone", kind))
+        choice = None if drafter is None else 0 if gate is None else gate.pick(1, kinds)
+        if choice is None:
             draft = root_only(root)
             if shadow is None and (shadow_free or shadow_draft is not None):  # draft in the shadow: scored
                 # once the target has decoded on (the whole draft of a free drafter, else its free part)
                 candidate = drafter.propose(context, cfg.sampling, None) if shadow_free else shadow_draft(context, cfg.sampling)
                 if candidate is not None:  # drew nothing, changed no state
                     shadow = ShadowDraft.of(fit_draft(candidate, budget - len(out.tokens)), len(committed))
-                    shadow_kind = kind
+                    shadow_kind = kinds[-1]  # the free part alone, where the gate weighs it as an alternative
+        elif choice == 1:  # the free members' draft alone: deterministic, so lossless as any member's
+            shadow = None
+            draft = fit_draft(free, budget - len(out.tokens))
         else:
             shadow = None  # a verified draft measures the drafter itself
             draft = drafter.propose(context, cfg.sampling, generator)
@@ -237,7 +246,9 @@ def generate(
         last = "target" if draft.tree.size == 1 else ("bonus" if leaf else "correction")
         stats.record_step(draft.tree.max_depth, acc.num_accepted, t1 - t0, t2 - t1)
         if gate is not None:
-            gate.record(1, draft.tree.size > 1, 1 + acc.num_accepted, time.perf_counter() - t0, kind)
+            ran = 0 if choice is None else choice
+            gate.record(1, draft.tree.size > 1, 1 + acc.num_accepted, time.perf_counter() - t0, kinds[ran],
+                        kinds[:ran] + kinds[ran + 1 :])
         done = emit(accepted + [acc.next_token], ["draft"] * len(accepted) + [last])
         if shadow is not None:
             score = shadow.score(committed)

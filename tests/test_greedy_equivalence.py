@@ -208,10 +208,10 @@ def test_shadow_drafts_score_what_verification_accepts(models, monkeypatch):
         # are all full-length here, so the verified run moves 11 tokens a draft and the shadowed one 10,
         # and their roots drift apart after the first
         drafter = log_proposals(PromptLookupDrafter(adaptive=False, periodic=False), proposed)
-        monkeypatch.setattr(gate_module.SpeculationGate, "speculate", lambda self, rows, kind=None: always)
+        monkeypatch.setattr(gate_module.SpeculationGate, "pick", lambda self, rows, kinds: 0 if always else None)
         real_record = gate_module.SpeculationGate.record
-        monkeypatch.setattr(gate_module.SpeculationGate, "record", lambda self, rows, spec, tokens, s, kind=None:
-                            (scores.append(tokens) if spec else None, real_record(self, rows, spec, tokens, s, kind)))
+        monkeypatch.setattr(gate_module.SpeculationGate, "record", lambda self, rows, spec, tokens, s, kind=None, idle=():
+                            (scores.append(tokens) if spec else None, real_record(self, rows, spec, tokens, s, kind, idle)))
         monkeypatch.setattr(gate_module.SpeculationGate, "record_shadow", lambda self, rows, tokens, kind=None: scores.append(tokens))
         out = generate(model, prompt, drafter, cfg)
         assert out.tokens == ref

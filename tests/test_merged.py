@@ -68,6 +68,10 @@ def test_head_spec_with_lookup_builds_a_merged_drafter(models, tmp_path):
     drafter = drafter_factory("head", model, path=str(tmp_path / "head"), lookup=4, depth=2, top_k=2, total_tokens=3)()
     assert isinstance(drafter, MergedDrafter) and isinstance(drafter.drafters[1], PromptLookupDrafter)
     assert drafter.drafters[1].num_tokens == 4
+    assert drafter.free_alone  # the lookup draft may be verified without the head's nodes (gated)
+    kept = drafter_factory("head", model, path=str(tmp_path / "head"), lookup=4, free_alone=False, depth=2, top_k=2,
+                           total_tokens=3)()
+    assert isinstance(kept, MergedDrafter) and not kept.free_alone
     assert isinstance(drafter_factory("head", model, path=str(tmp_path / "head"))(), EagleDrafter)
     with pytest.raises(ValueError, match="lookup must be >= 0"):
         drafter_factory("head", model, path=str(tmp_path / "head"), lookup=-1)
@@ -77,7 +81,7 @@ def test_merged_gate_kind_tells_lookup_matches_apart_and_reuses_their_drafts(mod
     """Guards MergedDrafter.gate_kind and shadow_draft: the kind says whether prompt lookup has a match,
     the draft proposed after it is the one proposed without it (the lookup draft is reused, not
     changed), the shadow draft is prompt lookup's own, and decoding with the per-kind gate (auto_off)
-    stays equal to plain greedy, with shadow scores reported under the match kind while it is off."""
+    stays equal to plain greedy, with shadow scores reported under the free part's kind while it is off."""
     from selfdraft import gate as gate_module
 
     model = models["llama"]
@@ -113,10 +117,50 @@ def test_merged_gate_kind_tells_lookup_matches_apart_and_reuses_their_drafts(mod
     assert kinds == [(True,), (False,)], kinds
     # the gate held off: plain steps only, the lookup part scored in the shadow under its kind
     shadows = []
-    monkeypatch.setattr(gate_module.SpeculationGate, "speculate", lambda self, rows, kind=None: False)
+    monkeypatch.setattr(gate_module.SpeculationGate, "pick", lambda self, rows, kinds: None)
     monkeypatch.setattr(gate_module.SpeculationGate, "record_shadow", lambda self, rows, tokens, kind=None: shadows.append((kind, tokens)))
     prompt = base + base
     out = generate(model, prompt, merged(), GenerationConfig(max_new_tokens=24, auto_off=True))
     assert out.tokens == generate(model, prompt, None, GenerationConfig(max_new_tokens=24)).tokens
-    assert shadows and all(kind == (True,) and tokens >= 1 for kind, tokens in shadows), shadows
+    # (the free part's own kind: the alternative the gate weighs it as)
+    assert shadows and all(kind == ("free alone", (True,)) and tokens >= 1 for kind, tokens in shadows), shadows
     assert out.stats.accepted == 0  # nothing was verified
+
+
+def test_gated_loop_verifies_the_free_part_alone_when_the_gate_picks_it(models, monkeypatch):
+    """Guards the free-alone alternative (MergedDrafter.free_alone, SpeculationGate.pick): where prompt
+    lookup has a draft the gate is offered it alone next to the whole tree; picked, it is verified without
+    a head forward and the output stays plain greedy's; with free_alone=false it is never offered."""
+    from selfdraft import gate as gate_module
+
+    model = models["llama"]
+    head = make_head(model, scale=20.0)
+    base = random_prompt(12, 3)
+    prompt = base + base
+    ref = generate(model, prompt, None, GenerationConfig(max_new_tokens=24)).tokens
+    head_proposals, offered = [], []
+
+    class CountingEagle(EagleDrafter):
+        def propose(self, tokens, sampling, generator):
+            head_proposals.append(tokens.numel())
+            return super().propose(tokens, sampling, generator)
+
+    def pick(self, rows, kinds):  # the free part alone whenever it is offered, else plain
+        offered.append(tuple(kinds))
+        return 1 if len(kinds) > 1 else None
+
+    monkeypatch.setattr(gate_module.SpeculationGate, "pick", pick)
+    cfg = GenerationConfig(max_new_tokens=24, auto_off=True)
+    for free_alone in (True, False):
+        head_proposals.clear()
+        offered.clear()
+        drafter = MergedDrafter([CountingEagle(head, depth=2, top_k=2, total_tokens=3), PromptLookupDrafter()], free_alone)
+        out = generate(model, prompt, drafter, cfg)
+        assert out.tokens == ref, free_alone
+        assert not head_proposals  # the head never drafted: free-alone or plain steps only
+        if free_alone:
+            assert any(k == ((True,), ("free alone", (True,))) for k in offered), offered
+            assert out.stats.accepted > 0  # lookup drafts were verified (the prompt repeats)
+        else:
+            assert offered and all(len(k) == 1 for k in offered), offered
+            assert out.stats.accepted == 0

@@ -29,7 +29,7 @@ def _head(target: nn.Module, path: str, **options) -> Drafter:
 
 
 def _head_factory(target: nn.Module, path: str, lookup: int = 0, suffix: bool | str = False,
-                  temperature: float = 0.0, **options) -> Callable[[], Drafter]:
+                  temperature: float = 0.0, free_alone: bool = True, **options) -> Callable[[], Drafter]:
     """Read the head folder once; drafters built from it share the head module. Options default to
     the folder's tune.json (the tree ``selfdraft tune`` picked for this machine; with ``lookup=N`` the
     one it picked to merge with lookup, ``selfdraft tune --lookup N``; at ``temperature`` > 0, the
@@ -37,7 +37,9 @@ def _head_factory(target: nn.Module, path: str, lookup: int = 0, suffix: bool | 
     ``lookup=N`` (> 0) merges a prompt-lookup continuation of up to N tokens into every head tree
     (MergedDrafter). ``suffix=true`` merges a suffix drafter instead (its table of earlier replies
     and the same N-token lookup; one table for all drafters of the factory), ``suffix=FILE`` one
-    whose table is seeded with the replies of a conversations file (as ``suffix:corpus=FILE``)."""
+    whose table is seeded with the replies of a conversations file (as ``suffix:corpus=FILE``).
+    ``free_alone=false`` keeps the gated decode loop from verifying the lookup or suffix draft without
+    the head's nodes (MergedDrafter.free_alone)."""
     from selfdraft.heads import head_type, load_head
     from selfdraft.tune import read_tuned
 
@@ -61,7 +63,7 @@ def _head_factory(target: nn.Module, path: str, lookup: int = 0, suffix: bool | 
         member = _suffix_factory(target, corpus=suffix if isinstance(suffix, str) else "", lookup=lookup)
     else:
         member = partial(PromptLookupDrafter, num_tokens=lookup)
-    return lambda: MergedDrafter([head_type(kind).drafter(head, **settings), member()])
+    return lambda: MergedDrafter([head_type(kind).drafter(head, **settings), member()], free_alone)
 
 
 SUFFIX_MAX_TOKENS = 1_000_000

@@ -70,6 +70,8 @@ class Drafter(Protocol):
     # Optional: ``shadow_draft(tokens, sampling) -> Draft | None``, the part of the next draft that
     # costs no model forward and changes no state (a merged drafter's prompt-lookup member), scored in
     # the shadow of plain steps as a whole free drafter's proposal is (``proposes_for_free``).
+    # Optional: ``free_alone: bool``, with ``shadow_draft``: the gated loop may verify that free part
+    # alone instead of the whole tree (an alternative the gate weighs, ``SpeculationGate.pick``).
 
     def reset(self, step: StepResult) -> None:
         """Start a new sequence after the target's prefill: step.tokens is the prompt plus the first

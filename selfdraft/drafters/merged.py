@@ -13,6 +13,10 @@ verified even where the head alone does not pay. The free members' drafts comput
 kept for the ``propose`` that follows, not computed twice, and while the gate runs plain steps they
 are scored in the shadow (``shadow_draft``), as prompt lookup alone is: a few wrong matches early in
 a reply then do not keep the copied spans unverified once the reply turns to copying.
+Where the free members have a draft, the decode loop may also verify it alone (``free_alone``): no
+head forward and a smaller tree, an alternative the gate weighs against the whole merged tree and
+plain decoding (:meth:`selfdraft.gate.SpeculationGate.pick`), so a head that adds less to a copied
+span than it costs is left out of that step instead of slowing it.
 
 Members must draft deterministically (``Draft.q is None``: children are a function of the context),
 which keeps sampling lossless for the merged tree as for each member; a member that draws its
@@ -61,10 +65,12 @@ def merge_drafts(drafts: Sequence[Draft]) -> Draft:
 class MergedDrafter:
     """Drafts with every member and verifies the union of their trees."""
 
-    def __init__(self, drafters: Sequence[Drafter]):
+    def __init__(self, drafters: Sequence[Drafter], free_alone: bool = True):
         if not drafters:
             raise ValueError("MergedDrafter needs at least one drafter")
         self.drafters = list(drafters)
+        self.free_alone = bool(free_alone)
+        """Whether the decode loop may verify the free members' draft without the others' (gated)."""
         self.hidden_layers = tuple(dict.fromkeys(i for d in self.drafters for i in d.hidden_layers))
         self.proposes_for_free = all(getattr(d, "proposes_for_free", False) for d in self.drafters)
         self._free = [i for i, d in enumerate(self.drafters) if getattr(d, "proposes_for_free", False)]
