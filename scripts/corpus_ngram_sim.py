@@ -31,6 +31,7 @@ from selfdraft.drafters.prompt_lookup import PromptLookupDrafter
 from selfdraft.drafters.suffix import NgramTable, corpus_replies
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.sampling import SamplingConfig
+from selfdraft.stats import common_prefix
 from selfdraft.target import load_target
 
 STEP_OVERHEAD_MS = 0.4  # the decode loop's own time per step (other% of the 80-question runs)
@@ -44,13 +45,6 @@ def forward_cost(costs: dict[int, float], n: int) -> float:
     lo = max(s for s in sizes if s <= n)
     hi = min(s for s in sizes if s >= n)
     return costs[lo] if lo == hi else costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
-
-
-def accepted(draft: list[int], future: list[int]) -> int:
-    a = 0
-    while a < min(len(draft), len(future)) and draft[a] == future[a]:
-        a += 1
-    return a
 
 
 def replay(rows: list[dict], table: NgramTable | None, lookup: PromptLookupDrafter | None, costs: dict[int, float],
@@ -73,7 +67,7 @@ def replay(rows: list[dict], table: NgramTable | None, lookup: PromptLookupDraft
                 drafts.append(table.chain(context, length, min_ngram, min_prob))
             drafts = [d for d in drafts if d]
             nodes = {tuple(d[: j + 1]) for d in drafts for j in range(len(d))}  # the merged trie
-            a = max((accepted(d, out[i:]) for d in drafts), default=0)
+            a = max((common_prefix(d, out[i:]) for d in drafts), default=0)
             ms += forward_cost(costs, 1 + len(nodes)) + STEP_OVERHEAD_MS
             steps += 1
             drafted += bool(drafts)

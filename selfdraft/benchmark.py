@@ -31,7 +31,7 @@ from selfdraft.generate import ContextLengthError, GenerationConfig, generate
 from selfdraft.kernels import cpu_report
 from selfdraft.progress import bar
 from selfdraft.sampling import SamplingConfig
-from selfdraft.stats import GenerationStats, acceptance_rates
+from selfdraft.stats import GenerationStats, acceptance_rates, common_prefix
 from selfdraft.target import Target
 
 PROMPT_KEYS = ("prompt", "instruction", "question", "text")
@@ -246,12 +246,7 @@ def _hf_generate(target: Target, ids: list[int], cfg: GenerationConfig, lookup: 
 
 
 def _prefix_match(a: list[int], b: list[int]) -> float:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n / max(len(b), 1)
+    return common_prefix(a, b) / max(len(b), 1)
 
 
 def _check_fits(target: Target, ids: list[int], cfg: GenerationConfig, prompt: int, turn: int) -> None:

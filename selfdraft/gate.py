@@ -232,8 +232,10 @@ class SpeculationGate:
         rates = [self.optimistic_rate(rows, kind) for kind in kinds]
         unmeasured = next((i for i, r in enumerate(rates) if r is None), None)
         plain = self.rate(rows, False)
-        if unmeasured is not None or plain is None:
-            return 0 if unmeasured is None else unmeasured
+        if unmeasured is not None:
+            return unmeasured
+        if plain is None:
+            return 0
         best = max(range(len(kinds)), key=rates.__getitem__)
         return best if rates[best] >= plain else None
 

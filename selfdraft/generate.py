@@ -213,14 +213,14 @@ def generate(
         t0 = time.perf_counter()
         context = torch.tensor(committed) if drafter is not None else None
         kind = gate_kind(context, cfg.sampling) if gate_kind is not None else None
-        free = shadow_draft(context, cfg.sampling) if free_alone else None
-        kinds = (kind,) if free is None else (kind, ("free alone", kind))
+        free = shadow_draft(context, cfg.sampling) if shadow_draft is not None else None  # the part costing no forward
+        kinds = (kind, ("free alone", kind)) if free_alone and free is not None else (kind,)
         choice = None if drafter is None else 0 if gate is None else gate.pick(1, kinds)
         if choice is None:
             draft = root_only(root)
             if shadow is None and (shadow_free or shadow_draft is not None):  # draft in the shadow: scored
                 # once the target has decoded on (the whole draft of a free drafter, else its free part)
-                candidate = drafter.propose(context, cfg.sampling, None) if shadow_free else shadow_draft(context, cfg.sampling)
+                candidate = drafter.propose(context, cfg.sampling, None) if shadow_free else free
                 if candidate is not None:  # drew nothing, changed no state
                     shadow = ShadowDraft.of(fit_draft(candidate, budget - len(out.tokens)), len(committed))
                     shadow_kind = kinds[-1]  # the free part alone, where the gate weighs it as an alternative

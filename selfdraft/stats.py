@@ -10,6 +10,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def acceptance_rates(attempts: Sequence[int], accepts: Sequence[int]) -> list[float]:
     """Acceptance rate per draft depth, up to the deepest depth any draft reached with its parent accepted
     (deeper depths were never tried, so they have no rate rather than 0%)."""

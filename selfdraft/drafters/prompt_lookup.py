@@ -22,6 +22,7 @@ from torch import Tensor
 
 from selfdraft.drafters.base import Draft, StepResult
 from selfdraft.sampling import SamplingConfig
+from selfdraft.stats import common_prefix
 from selfdraft.tree import tree_from_token_paths
 
 
@@ -116,14 +117,8 @@ def adapt_length(length: int, drafts: list[list[int]], committed: list[int], lo:
     tokens the target committed after their root): +2 (up to ``hi``) when one of them was committed
     whole at full length, -1 (down to ``lo``) when every one of them disagrees with a committed token,
     else unchanged (the target committed too few tokens to tell: a plain step, the end of generation)."""
-    def agreed(d: list[int]) -> int:
-        n = 0
-        while n < min(len(d), len(committed)) and d[n] == committed[n]:
-            n += 1
-        return n
-
-    if any(len(d) == length and agreed(d) == length for d in drafts):
+    if any(len(d) == length and common_prefix(d, committed) == length for d in drafts):
         return min(hi, length + 2)
-    if all(agreed(d) < min(len(d), len(committed)) for d in drafts):
+    if all(common_prefix(d, committed) < min(len(d), len(committed)) for d in drafts):
         return max(lo, length - 1)
     return length
