@@ -194,12 +194,13 @@ def product_kernel(request):
     kernel.set_avx512_bf16(before)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 9, 13, 16, 32])
 @pytest.mark.parametrize("k,n", [(64, 48), (20, 7), (96, 101)])
 def test_fused_kernel_is_the_fp32_product_rounded(rows, k, n, product_kernel):
     """Guards the kernel's paths and edges: row counts (rows and twice rows) that take the stream
-    (1-5) and each row tile with its remainders (6: 4 + 2, 7: 4 + 3, 9: 4 + 4 + 1, ...), a k that is
-    not a multiple of 8 (scalar tail), feature counts that leave partial tiles and tasks, bias,
+    (1-5) and each row tile with its remainders (6: 4 + 2, 7: 4 + 3, 9: 4 + 4 + 1, ...) on the AVX2 path,
+    one pass and even passes on the AVX512-BF16 one (13: 7 + 6, 32: 11 + 11 + 10), a k that is not a
+    multiple of 8 (scalar tail), feature counts that leave partial tiles and tasks, bias,
     batched input, bf16 and fp32 input."""
     kernel = product_kernel
     torch.manual_seed(rows * 1000 + k + n)
@@ -220,17 +221,17 @@ def test_fused_kernel_is_the_fp32_product_rounded(rows, k, n, product_kernel):
 def test_fused_kernel_row_results_do_not_depend_on_the_row_count(k, product_kernel):
     """Guards what greedy exactness rests on: a row's output is bit-identical whether the product has
     one row (a decode step) or several (a verified tree: on the AVX2 path the stream up to five rows,
-    the row tiles beyond; on the AVX512-BF16 path passes of up to eight rows), for every row position
-    in a tile or pass and its remainders, with bias and a tail (k = 20: scalar on AVX2, masked on
-    AVX512-BF16)."""
+    the row tiles beyond; on the AVX512-BF16 path one pass of up to twelve rows, even passes beyond),
+    for every row position in a tile or pass and its remainders, with bias and a tail (k = 20: scalar
+    on AVX2, masked on AVX512-BF16)."""
     kernel = product_kernel
     torch.manual_seed(k)
     w, b = torch.randn(101, k).bfloat16(), torch.randn(101).bfloat16()
     for dtype in (torch.bfloat16, torch.float32):  # fp32 output keeps differences bf16 rounding can hide
-        x = torch.randn(11, k).to(dtype)
+        x = torch.randn(26, k).to(dtype)
         for bias in (None, b):
-            alone = torch.cat([kernel.bf16_linear(x[i : i + 1], w, bias) for i in range(11)])
-            for rows in range(2, 12):
+            alone = torch.cat([kernel.bf16_linear(x[i : i + 1], w, bias) for i in range(26)])
+            for rows in range(2, 27):
                 got = kernel.bf16_linear(x[:rows], w, bias)
                 assert torch.equal(got, alone[:rows]), f"{dtype}, {rows} rows, bias {bias is not None}"
 

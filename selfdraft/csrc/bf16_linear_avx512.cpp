@@ -39,11 +39,16 @@ inline __m256bh load_bh_tail(const uint16_t* p, __mmask16 mask) { return (__m256
 
 // The weight rows one after another, each thread reading its share of a product's weight as one
 // contiguous stream prefetched kStreamAhead bytes ahead (as the AVX2 kernel's one-to-five-row stream):
-// every input row takes its dot product with a weight row while that row is in L1, up to kChunk rows
-// per pass over it. (Tiles of four weight rows side by side, the AVX2 kernel's shape for six rows and
-// more, were no faster here at 6-16 rows and slower at one to four; passes of 16 rows no faster.)
+// every input row takes its dot product with a weight row while that row is in L1, in passes over it of
+// at most kChunk rows, as equal as they can be. (Tiles of four weight rows side by side, the AVX2
+// kernel's shape for six rows and more, were no faster here at 6-16 rows and slower at one to four;
+// tiles of two no faster at 13-16 rows and 1.4x slower at one to eight.) Passes of eight rows and a
+// remainder left 9-12 rows a second pass of one to four, whose few accumulators wait on the
+// instruction's latency: a 9-row product cost 1.45x an 8-row one, 1.0x in one pass. One pass of 13-16
+// rows was slower than two on Gemma-3's 640-wide products (a 16-token forward +10%), hence 12
+// (docs/perf_log.md, thirtieth session).
 constexpr int64_t kStreamAhead = 2048;
-constexpr int kChunk = 8;
+constexpr int kChunk = 12;
 
 // MT input rows against weight row wr: y[i * n] = dot(x[i, :], wr) (+ bias[j]) for output feature j.
 // (The loops over rows are unrolled so that the accumulators stay in registers.)
@@ -51,23 +56,23 @@ template <int MT>
 inline void stream_rows(const uint16_t* x, const uint16_t* wr, int64_t k, at::BFloat16* y, int64_t n,
                         const float* bias, int64_t j) {
   __m256 acc[MT];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps();
   int64_t t = 0;
   for (; t + kLane <= k; t += kLane) {
     if ((t & 31) == 0)  // one 64-byte line every other step
       _mm_prefetch(reinterpret_cast<const char*>(wr + t) + kStreamAhead, _MM_HINT_T0);  // never faults
     const __m256bh wv = load_bh(wr + t);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int i = 0; i < MT; ++i) acc[i] = _mm256_dpbf16_ps(acc[i], load_bh(x + i * k + t), wv);
   }
   if (t < k) {  // the last k % 16 elements, the rest of each register zero
     const __mmask16 mask = static_cast<__mmask16>((1u << (k - t)) - 1);
     const __m256bh wv = load_bh_tail(wr + t, mask);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int i = 0; i < MT; ++i) acc[i] = _mm256_dpbf16_ps(acc[i], load_bh_tail(x + i * k + t, mask), wv);
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int i = 0; i < MT; ++i) {
     float s = hsum(acc[i]);
     if (bias != nullptr) s += bias[j];
@@ -85,10 +90,14 @@ inline void stream_some(int64_t rows, const uint16_t* x, const uint16_t* wr, int
 // Output features [n0, n1) of one product for all m rows.
 void features(const uint16_t* x, int64_t m, const uint16_t* w, int64_t n0, int64_t n1, int64_t k, at::BFloat16* y,
               int64_t n, const float* bias) {
+  const int64_t passes = (m + kChunk - 1) / kChunk;
+  const int64_t rows = m / passes, longer = m % passes;  // the first `longer` passes take one row more
   for (int64_t j = n0; j < n1; ++j)
-    for (int64_t i = 0; i < m; i += kChunk)
-      stream_some(std::min<int64_t>(kChunk, m - i), x + i * k, w + j * k, k, y + i * n + j, n, bias, j,
-                  std::make_integer_sequence<int, kChunk>{});
+    for (int64_t i = 0, p = 0; p < passes; ++p) {
+      const int64_t r = rows + (p < longer);
+      stream_some(r, x + i * k, w + j * k, k, y + i * n + j, n, bias, j, std::make_integer_sequence<int, kChunk>{});
+      i += r;
+    }
 }
 
 constexpr int64_t kFeaturesPerTask = 48;
