@@ -25,6 +25,7 @@ from torch import nn
 from selfdraft.adapter import check_supported
 from selfdraft.assets import package_file
 from selfdraft.data import has_chat_template, plain_text
+from selfdraft.hugepages import move_to_huge_pages
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ def load_target(
     model.set_attn_implementation(attn_implementation)
     check_supported(model)
     model.to(device).eval().requires_grad_(False)
+    move_to_huge_pages(model)  # CPU weights in 2 MiB pages: a faster stream per forward (selfdraft/hugepages.py)
     return Target(model=model, tokenizer=tok, name=spec, eos_token_ids=eos_ids(model, tok))
 
 
