@@ -4,8 +4,8 @@ Decoding on a CPU is a stream over every weight per forward. With 4 KiB pages a 
 touches ~66,000 pages (270 MB of bf16 weights, most matrices under 2 MiB and scattered over the
 heap), far more than the CPU's TLB holds, so the stream keeps stopping for page walks. Laid out one
 after another in memory advised for 2 MiB pages (``madvise(MADV_HUGEPAGE)``), the same weights need
-~135 translations. On a 2-core AVX512-BF16 EPYC this made a SmolLM2 forward of 1-12 tokens 10-12%
-faster (docs/perf_log.md, thirtieth session). PyTorch's own switch (``THP_MEM_ALLOC_ENABLE``) only
+~135 translations. On a 2-core AVX512-BF16 EPYC this made SmolLM2 forwards of 1-16 tokens 3-13%
+faster in one process and plain decoding 15% faster (docs/perf_log.md, thirtieth session). PyTorch's own switch (``THP_MEM_ALLOC_ENABLE``) only
 advises single allocations of 2 MiB and more, which most of a small model's matrices are not.
 
 :func:`move_to_huge_pages` copies a model's CPU parameters into one such region, in the order the

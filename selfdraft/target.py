@@ -157,7 +157,8 @@ def load_target(
     device: str = "cpu",
     attn_implementation: str = "sdpa",
 ) -> Target:
-    """Load a frozen target (eval mode, no gradients) and its tokenizer."""
+    """Load a frozen target (eval mode, no gradients) and its tokenizer; CPU weights land in huge pages
+    (:func:`selfdraft.hugepages.move_to_huge_pages`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype

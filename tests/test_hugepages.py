@@ -6,12 +6,12 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_model
 from torch import nn
 
 from selfdraft import hugepages
 from selfdraft.hugepages import ALIGN, HUGE_PAGE, move_to_huge_pages
 from selfdraft.target import load_target
-from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
 
