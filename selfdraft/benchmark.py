@@ -447,6 +447,7 @@ def main(cfg: BenchConfig, quiet: bool = False, as_json: bool = False) -> list[d
         "config": asdict(cfg),
         "machine": platform.processor() or platform.machine(),
         **cpu_report(),
+        "huge_page_weights_bytes": target.huge_page_bytes,  # the target's weights moved into huge pages (0: none)
         "threads": threads,
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

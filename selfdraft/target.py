@@ -62,6 +62,8 @@ class Target:
     tokenizer: object
     name: str
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    huge_page_bytes: int = 0
+    """Bytes of weights :func:`load_target` moved into huge pages (0: none, they stay where they were)."""
 
     @property
     def max_positions(self) -> int:
@@ -174,8 +176,8 @@ def load_target(
     model.set_attn_implementation(attn_implementation)
     check_supported(model)
     model.to(device).eval().requires_grad_(False)
-    move_to_huge_pages(model)  # CPU weights in 2 MiB pages: a faster stream per forward (selfdraft/hugepages.py)
-    return Target(model=model, tokenizer=tok, name=spec, eos_token_ids=eos_ids(model, tok))
+    moved = move_to_huge_pages(model)  # CPU weights in 2 MiB pages: a faster stream per forward (selfdraft/hugepages.py)
+    return Target(model=model, tokenizer=tok, name=spec, eos_token_ids=eos_ids(model, tok), huge_page_bytes=moved)
 
 
 def eos_ids(model: nn.Module, tokenizer: object | None) -> frozenset[int]:

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from selfdraft.hugepages import huge_pages_apply
+
 
 def run(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -64,6 +66,7 @@ def test_bench_multi_turn_conversations(tiny_target_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["meta"]["num_prompts"] == 3 and data["meta"]["num_turns"] == 5, data["meta"]
+    assert (data["meta"]["huge_page_weights_bytes"] > 0) == huge_pages_apply(), data["meta"]  # recorded as it happened
     rows = data["results"]
     assert all(len(r["per_prompt_tok_s"]) == 5 for r in rows), rows
     assert rows[1]["identical_frac"] == 1.0, rows[1]

@@ -79,3 +79,22 @@ def test_nothing_moves_when_switched_off_or_without_huge_pages(monkeypatch):
 def test_load_target_moves_a_cpu_target(tiny_target_dir, huge_pages_on):
     target = load_target(str(tiny_target_dir), dtype="bfloat16")
     assert laid_out_in_one_region(list(target.model.parameters()))
+
+
+def test_load_head_moves_the_heads_own_weights_only(tmp_path, huge_pages_on):
+    """The head's weights join huge pages; the target's embedding it references stays where it was."""
+    from selfdraft.heads import Eagle3Config, Eagle3Head, load_head, save
+    from selfdraft.heads.eagle3 import select_draft_vocab
+
+    model = tiny_model("llama")
+    head = Eagle3Head(Eagle3Config.for_target(model, 64), model.get_input_embeddings())
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    head.set_draft_vocab(select_draft_vocab(torch.arange(model.config.vocab_size).flip(0).float(), 64))
+    path = save(tmp_path / "e3", "eagle3", head.cfg, head, model, "tiny")
+    target_ptrs = [p.data_ptr() for p in model.parameters()]
+    _, loaded, _ = load_head(path, model)
+    assert laid_out_in_one_region(list(loaded.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values()))
+    assert [p.data_ptr() for p in model.parameters()] == target_ptrs

@@ -20,6 +20,7 @@ from selfdraft.heads.artifact import (
 from selfdraft.heads.eagle1 import Eagle1Config, Eagle1Head
 from selfdraft.heads.eagle3 import Eagle3Config, Eagle3Head
 from selfdraft.heads.medusa import MedusaConfig, MedusaHeads
+from selfdraft.hugepages import move_to_huge_pages
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ def load_head(path: str | Path, target: nn.Module) -> tuple[str, nn.Module, dict
     kind, _, head = build_head(meta, tensors, target, path)
     dtype = target.get_input_embeddings().weight.dtype
     head.to(dtype=dtype, device=next(target.parameters()).device).eval().requires_grad_(False)
+    # the head's own weights (the target's embedding and lm_head are referenced, not parameters here)
+    move_to_huge_pages(head)
     n = sum(p.numel() for p in head.parameters())
     total = sum(p.numel() for p in target.parameters())
     print(f"[head {kind}: {n / 1e6:.2f}M parameters = {100 * n / total:.1f}% of the target's {total / 1e6:.1f}M]", file=sys.stderr)
