@@ -1,4 +1,4 @@
-"""A target's CPU weights moved into one huge-page region: same parameters, same values, same ties."""
+"""CPU weights moved into one huge-page region (a target's, a loaded head's own): same parameters, same values, same ties."""
 
 from __future__ import annotations
 
