@@ -16,7 +16,7 @@
 # Instances of one machine kind differ: one ran 1.4x slower, and 3072 prompts with 2400 steps took
 # 109.8 min there (ninth session); held-out top-1 stayed at 0.44 either way.
 # Gemma-3-270M (a base model: distilled as plain-text continuations): configs/train/gemma3_eagle3_cpu2h.yaml
-# names the variables to set (512 prompts, 800 steps: 62.3 min on the AVX2 CPU, nineteenth session).
+# names the variables to set (512 prompts, 800 steps: 57.1 min on the AVX2 CPU, thirty-second session).
 # Other variables (the tests run it on a tiny target): TARGET, DATA, REPLY_TOKENS, CONTEXT, TUNE_PROMPTS,
 # OVERRIDES (extra key=value options for the dump and the training), PYTHON.
 set -euo pipefail
