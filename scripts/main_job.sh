@@ -9,7 +9,7 @@
 # 11.4-12.6 minutes measured on a 2-core AVX512-BF16 CPU (50 steps at ~10 s; 2026-12-05, 11.8 the latest);
 # 24.3 minutes with 50 steps on a 2-core AVX2 CPU without native bf16 (~21 s a step), hence 32 steps there
 # (13.1 minutes, ~17 s a step, 2026-12-06: docs/results/main_job_2026-12-06_s32_avx2.log).
-# A head trained this briefly drafts little (tau ~1.2-1.3); the measured tables are in docs/benchmarks.md.
+# A head trained this briefly drafts little (tau 1.02-1.19 alone, 1.14-1.55 merged with lookup in the measured runs); the measured tables are in docs/benchmarks.md.
 #
 #   bash scripts/main_job.sh        # defaults: OUT=runs/main_job STEPS=50 (32) PROMPTS=5 TOKENS=128
 # Other variables (the tests run it on a tiny target): TARGET, DATA, MAX_SAMPLES, EVAL_SAMPLES, MAX_LEN, CONTEXT,
