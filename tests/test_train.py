@@ -395,3 +395,27 @@ def test_init_head_continues_from_a_trained_head(tiny_target_dir, data_file, tmp
     assert json.loads((out / "config.json").read_text())["head_config"] == json.loads((head_dir / "config.json").read_text())["head_config"]
     with pytest.raises(ValueError, match="holds a 'eagle3' head"):
         train.main(config(tiny_target_dir, data_file, tmp_path / "bad", head="eagle1", init_head=str(head_dir)))
+
+
+def test_extra_data_adds_first_exchanges_for_training_only(tiny_target_dir, data_file, tmp_path):
+    """Guards extra_data: its first exchanges follow data's samples (eval stays data's first eval_samples),
+    prompts data already holds are not added twice, and extra_samples without extra_data is refused."""
+    from accelerate import Accelerator
+
+    from selfdraft.target import load_target
+
+    extra = tmp_path / "extra.jsonl"
+    rows = [{"conversations": [{"from": "human", "value": "say aaa"}, {"from": "gpt", "value": "written aaa"}]}]
+    rows += [{"conversations": [{"from": "human", "value": f"new {i}"}, {"from": "gpt", "value": f"reply {i}"},
+                                {"from": "human", "value": "more"}, {"from": "gpt", "value": "later turn"}]} for i in range(5)]
+    extra.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    tokenizer = load_target(str(tiny_target_dir)).tokenizer
+    acc = Accelerator(cpu=True)
+    base_train, base_eval = train.build_samples(config(tiny_target_dir, data_file, "unused"), tokenizer, acc)
+    cfg = config(tiny_target_dir, data_file, "unused", extra_data=str(extra), extra_samples=3)
+    train_samples, eval_samples = train.build_samples(cfg, tokenizer, acc)
+    assert eval_samples == base_eval and train_samples[: len(base_train)] == base_train
+    added = [tokenizer.decode(s.input_ids) for s in train_samples[len(base_train) :]]
+    assert len(added) == 3 and all(f"new {i}" in t and f"reply {i}" in t and "later turn" not in t for i, t in enumerate(added))
+    with pytest.raises(ValueError, match="extra_data"):
+        config(tiny_target_dir, data_file, "unused", extra_samples=3)

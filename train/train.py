@@ -27,7 +27,15 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from selfdraft.config import load
-from selfdraft.data import collate, has_chat_template, load_conversations, prepare_samples, sharegpt_path
+from selfdraft.data import (
+    EXTRA_MAX_PROMPT_CHARS,
+    collate,
+    first_exchanges,
+    has_chat_template,
+    load_conversations,
+    prepare_samples,
+    sharegpt_path,
+)
 from selfdraft.features import FeatureStore, target_features
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.heads import build_head, head_type, load_head, save
@@ -51,17 +59,30 @@ from selfdraft.train_config import TrainConfig
 
 
 def build_samples(cfg: TrainConfig, tokenizer, accelerator: Accelerator):
+    """(train, eval) samples: eval the first ``eval_samples`` of ``data``; ``extra_data``'s first exchanges train only."""
     source = sharegpt_path() if cfg.data == "sharegpt" else cfg.data
     limit = cfg.max_samples + cfg.eval_samples if cfg.max_samples else None  # max_samples 0 = all
     conversations, report = load_conversations(source, limit=limit)
     accelerator.print(f"[data] {source}: {report.describe()}")
+    samples = tokenized(cfg, tokenizer, conversations, accelerator)
+    if len(samples) <= cfg.eval_samples:
+        raise ValueError(f"only {len(samples)} usable samples; need more than eval_samples={cfg.eval_samples}")
+    if cfg.extra_samples:
+        extra_source = sharegpt_path() if cfg.extra_data == "sharegpt" else cfg.extra_data
+        pool, _ = load_conversations(extra_source)
+        extra = first_exchanges(pool, cfg.extra_samples, conversations, EXTRA_MAX_PROMPT_CHARS)
+        accelerator.print(f"[data] {extra_source}: {len(extra)} first exchanges added as written (asked for {cfg.extra_samples}; "
+                          f"prompts already in {source} or over {EXTRA_MAX_PROMPT_CHARS} characters skipped)")
+        samples = samples + tokenized(cfg, tokenizer, extra, accelerator)
+    return samples[cfg.eval_samples :], samples[: cfg.eval_samples]
+
+
+def tokenized(cfg: TrainConfig, tokenizer, conversations: list, accelerator: Accelerator) -> list:
     bar = tqdm(conversations, desc="tokenise", unit="conv", file=sys.stderr, disable=quiet() or not accelerator.is_main_process)
     samples, counts = prepare_samples(tokenizer, bar, cfg.max_len)
     rendering = "the chat template" if has_chat_template(tokenizer) else "plain text (no chat template)"
     accelerator.print(f"[data] tokenised with {rendering}, max_len {cfg.max_len}: {dict(counts)}")
-    if len(samples) <= cfg.eval_samples:
-        raise ValueError(f"only {len(samples)} usable samples; need more than eval_samples={cfg.eval_samples}")
-    return samples[cfg.eval_samples :], samples[: cfg.eval_samples]
+    return samples
 
 
 def batch_order(n: int, batch: int, seed: int, rank: int, world: int):
