@@ -211,6 +211,11 @@ def sharegpt_path() -> Path:
     )
 
 
+def data_source(spec: str) -> str | Path:
+    """A data option's source: 'sharegpt' names the shipped ShareGPT file; anything else is returned as given."""
+    return sharegpt_path() if spec == "sharegpt" else spec
+
+
 @dataclass
 class TokenizedSample:
     input_ids: list[int]

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from selfdraft.batch import TreePolicy, generate_batch
 from selfdraft.config import load
-from selfdraft.data import has_chat_template, json_lines, load_conversations, reply_content, sharegpt_path
+from selfdraft.data import data_source, has_chat_template, json_lines, load_conversations, reply_content
 from selfdraft.drafters import drafter_factory
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.progress import quiet
@@ -121,7 +121,7 @@ def main(cfg: DistillConfig) -> Path:
     target = load_target(cfg.target, dtype=cfg.dtype)
     chat = has_chat_template(target.tokenizer)
     print(f"[distill] prompts rendered with {'the chat template' if chat else 'plain text (no chat template): replies are continuations'}")
-    source = sharegpt_path() if cfg.data == "sharegpt" else cfg.data
+    source = data_source(cfg.data)
     conversations, report = load_conversations(source, limit=cfg.max_samples or None)
     print(f"[distill] {source}: {report.describe()}")
     out = Path(cfg.out)

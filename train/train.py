@@ -30,11 +30,11 @@ from selfdraft.config import load
 from selfdraft.data import (
     EXTRA_MAX_PROMPT_CHARS,
     collate,
+    data_source,
     first_exchanges,
     has_chat_template,
     load_conversations,
     prepare_samples,
-    sharegpt_path,
 )
 from selfdraft.features import FeatureStore, target_features
 from selfdraft.generate import GenerationConfig, generate
@@ -60,7 +60,7 @@ from selfdraft.train_config import TrainConfig
 
 def build_samples(cfg: TrainConfig, tokenizer, accelerator: Accelerator):
     """(train, eval) samples: eval the first ``eval_samples`` of ``data``; ``extra_data``'s first exchanges train only."""
-    source = sharegpt_path() if cfg.data == "sharegpt" else cfg.data
+    source = data_source(cfg.data)
     limit = cfg.max_samples + cfg.eval_samples if cfg.max_samples else None  # max_samples 0 = all
     conversations, report = load_conversations(source, limit=limit)
     accelerator.print(f"[data] {source}: {report.describe()}")
@@ -68,7 +68,7 @@ def build_samples(cfg: TrainConfig, tokenizer, accelerator: Accelerator):
     if len(samples) <= cfg.eval_samples:
         raise ValueError(f"only {len(samples)} usable samples; need more than eval_samples={cfg.eval_samples}")
     if cfg.extra_samples:
-        extra_source = sharegpt_path() if cfg.extra_data == "sharegpt" else cfg.extra_data
+        extra_source = data_source(cfg.extra_data)
         pool, _ = load_conversations(extra_source)
         extra = first_exchanges(pool, cfg.extra_samples, conversations, EXTRA_MAX_PROMPT_CHARS)
         accelerator.print(f"[data] {extra_source}: {len(extra)} first exchanges added as written (asked for {cfg.extra_samples}; "
