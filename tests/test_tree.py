@@ -82,3 +82,14 @@ def test_eagle2_rerank_keeps_best_nodes_and_stays_a_tree():
     sub, old = top_nodes_by_score(tree, scores, budget=3)
     assert old.tolist() == [0, 1, 3, 6], old
     assert sub.parents.tolist() == [-1, 0, 1, 2]
+
+
+@pytest.mark.parametrize("length", [0, 1, 6, 33])
+def test_chain_tree_equals_the_parent_built_chain(length):
+    """Guards the tensor-built chain (fast for long prompts) against drifting from the general builder."""
+    fast, slow = chain_tree(length), tree_from_parents([-1] + list(range(length)))
+    for field in ("parents", "depth", "ancestors"):
+        got, want = getattr(fast, field), getattr(slow, field)
+        assert got.dtype == want.dtype and torch.equal(got, want), field
+    assert fast.is_chain and slow.is_chain
+    assert not tree_from_parents([-1, 0, 1, 1]).is_chain and not tree_from_parents([-1, 0, 0, 2]).is_chain

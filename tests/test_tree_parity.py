@@ -91,3 +91,50 @@ def test_unsupported_architecture_raises():
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(UnsupportedModelError, match="sdpa"):
         check_supported(model)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("length", [20, 40])
+def test_prefill_skips_the_mask_only_where_attention_is_causal(models, arch, length, monkeypatch):
+    """Guards the mask-free prefill: a chain of more than FUSED_ATTENTION_MAX_QUERIES tokens on an
+    empty cache within the sliding window (gemma3's widened to 32 here) runs without a mask and equals
+    the masked forward in logits, states and KV; a longer prompt under a window, a tree on an empty
+    cache, a chain after a prefix and a short prompt keep their masks."""
+    import selfdraft.adapter as adapter
+
+    model = models[arch]
+    if arch == "gemma3":
+        model = tiny_model(arch)
+        model.config.sliding_window = 32
+    prompt = random_prompt(length, 7)
+    masks = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("attention_mask"))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    chain = chain_tree(length - 1)
+    with torch.no_grad():
+        cache = new_cache(model, 64)
+        got = tree_forward(model, cache, torch.tensor([prompt]), chain, (0, -1))
+        causal = length <= (getattr(model.config, "sliding_window", None) or length)
+        assert (masks[-1] is None) == causal, f"{arch}: prompt of {length} ran with mask {type(masks[-1])}"
+        ref = new_cache(model, 64)
+        with monkeypatch.context() as m:
+            m.setattr(adapter, "within_window", lambda model, n: False)
+            want = tree_forward(model, ref, torch.tensor([prompt]), chain, (0, -1))
+        assert masks[-1] is not None
+        assert torch.equal(got.logits, want.logits)
+        assert all(torch.equal(got.hidden_states[i], want.hidden_states[i]) for i in (0, -1))
+        for layer in range(model.config.num_hidden_layers):
+            assert all(torch.equal(a, b) for a, b in zip(cache.key_value(layer), ref.key_value(layer)))
+        tree_forward(model, cache, torch.tensor([prompt]), chain)  # after a prefix
+        assert masks[-1] is not None
+        tree = tree_from_parents(list(range(-1, length - 2)) + [length - 3])
+        assert not tree.is_chain
+        tree_forward(model, new_cache(model, 64), torch.tensor([prompt]), tree)  # a tree, empty cache
+        assert masks[-1] is not None
+        tree_forward(model, new_cache(model, 64), torch.tensor([prompt[:16]]), chain_tree(15))  # short
+        assert masks[-1] is not None
