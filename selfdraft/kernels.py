@@ -365,7 +365,7 @@ def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
                dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """The attention function :class:`FusedAttention` selects (Hugging Face's attention-interface
     signature): the fused kernel for bf16 inference over at most FUSED_ATTENTION_MAX_QUERIES query
-    positions, HF's SDPA attention for anything else."""
+    positions, HF's SDPA attention for anything else (in query blocks for a long masked forward)."""
     kernel = attention_kernel(query, key, value)
     if (
         kernel is not None
@@ -378,8 +378,36 @@ def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
         return kernel.bf16_attention(query, key, value, attention_mask, scale), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if isinstance(attention_mask, Tensor) and query.shape[0] == 1 and query.shape[2] > ATTENTION_QUERY_BLOCK:
+        return _blockwise_attention(sdpa_attention_forward, module, query, key, value, attention_mask,
+                                    dropout=dropout, scaling=scaling, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
+
+
+ATTENTION_QUERY_BLOCK = 256
+"""Query positions per SDPA call when a long masked forward (a prompt after a prefix, a prompt past a
+sliding window) is split. On the 2-core AVX2 machine, Gemma-3's 4 heads x 256 over 2,048 positions
+with its 512-wide window: 123 ms in one call, 55 ms in blocks of 256 (4,096 positions: 520 vs 122);
+SmolLM2's 9 x 64 causal: 88 vs 62 ms."""
+
+
+def _blockwise_attention(sdpa, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor, **kwargs):
+    """``sdpa`` (HF's SDPA attention) one block of ATTENTION_QUERY_BLOCK queries at a time, each over
+    only the span of keys its rows of ``mask`` (1, 1, q, k; additive or bool) leave visible: SDPA with
+    an explicit mask computes every score, masked or not. Keys outside the span are hidden from every
+    query of the block, so the softmax is the same up to the order of its sums (bf16 rounding)."""
+    mask = mask[..., : key.shape[2]]
+    hidden = torch.finfo(mask.dtype).min if mask.dtype != torch.bool else None
+    outs = []
+    for start in range(0, query.shape[2], ATTENTION_QUERY_BLOCK):
+        rows = mask[..., start : start + ATTENTION_QUERY_BLOCK, :]
+        seen = (rows if hidden is None else rows > hidden).flatten(0, -2).any(0).nonzero()
+        lo, hi = (int(seen[0]), int(seen[-1]) + 1) if seen.numel() else (0, mask.shape[-1])
+        out, _ = sdpa(module, query[:, :, start : start + ATTENTION_QUERY_BLOCK], key[:, :, lo:hi],
+                      value[:, :, lo:hi], rows[..., lo:hi], **kwargs)
+        outs.append(out)
+    return torch.cat(outs, 1), None  # HF's layout: (batch, queries, heads, head_dim)
 
 
 @cache

@@ -501,3 +501,64 @@ def test_fused_attention_switches_sdpa_layers_only_inside(monkeypatch):
     kernels._attention(attn, q.requires_grad_(), k, k, mask)
     assert calls == [3], calls
     assert (out.float() - want.float()).abs().max() <= 2e-2
+
+
+@pytest.mark.parametrize("shape", ["prefix", "window", "bool"])
+def test_long_masked_attention_in_query_blocks_equals_one_call(models, monkeypatch, shape):
+    """Guards the blockwise SDPA of long masked forwards: each block of queries over only its visible
+    key span gives what one SDPA call over every key gives (a prompt after a 40-token prefix, a
+    window of 32, a bool mask), and the spans really are narrower than the keys."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    monkeypatch.setattr(kernels, "ATTENTION_QUERY_BLOCK", 16)
+    module = models["llama"].model.layers[0].self_attn
+    torch.manual_seed(0)
+    n, prefix, d = 70, 40, module.head_dim
+    q = torch.randn(1, 4, n, d)
+    k, v = torch.randn(1, 2, prefix + n, d), torch.randn(1, 2, prefix + n, d)
+    qpos, kpos = torch.arange(prefix, prefix + n), torch.arange(prefix + n)
+    visible = qpos[:, None] >= kpos[None, :]
+    if shape == "window":
+        visible &= qpos[:, None] - kpos[None, :] < 32
+    mask = visible[None, None]
+    if shape != "bool":
+        mask = torch.zeros(visible.shape).masked_fill_(~visible, torch.finfo(torch.float32).min)[None, None]
+    spans = []
+
+    def sdpa(module, query, key, *args, **kwargs):
+        spans.append(key.shape[2])
+        return sdpa_attention_forward(module, query, key, *args, **kwargs)
+
+    monkeypatch.setattr("transformers.integrations.sdpa_attention.sdpa_attention_forward", sdpa)
+    got, _ = kernels._attention(module, q, k, v, mask, scaling=d**-0.5)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=d**-0.5)
+    assert got.shape == want.shape == (1, n, 4, d)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert len(spans) == 5 and max(spans) <= prefix + n and min(spans) < prefix + n
+    if shape == "window":
+        assert max(spans) <= 16 + 31
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_long_bf16_forward_after_a_prefix_runs_attention_in_query_blocks(monkeypatch, arch):
+    """Guards the wiring of the blockwise SDPA: a bf16 target's masked forward of more queries than a
+    block (a chain after a prefix; Gemma-3's sliding-window layers) takes it inside the adapter's
+    attention and gives the one-call logits within bf16 rounding, the same argmax at nearly every node."""
+    if build_fused_kernel() is None:
+        pytest.skip("the blockwise path sits in the fused attention, which needs the fused bf16 kernel")
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    prompt = torch.tensor([random_prompt(60, 5)])
+    blocks = []
+    real = kernels._blockwise_attention
+    monkeypatch.setattr(kernels, "_blockwise_attention", lambda *a, **k: blocks.append(1) or real(*a, **k))
+    runs = []
+    for size in (1 << 30, 16):
+        monkeypatch.setattr(kernels, "ATTENTION_QUERY_BLOCK", size)
+        cache = new_cache(model, 64)
+        with torch.inference_mode():
+            tree_forward(model, cache, prompt[:, :8], chain_tree(7))
+            runs.append(tree_forward(model, cache, prompt[:, 8:], chain_tree(51)).logits.float())
+    assert len(blocks) == model.config.num_hidden_layers  # every layer of the second run
+    one, split = runs
+    assert (one - split).abs().max() <= 0.05 * one.abs().max()
+    assert (one.argmax(-1) == split.argmax(-1)).float().mean() >= 0.9

@@ -108,13 +108,13 @@ def test_prefill_skips_the_mask_only_where_attention_is_causal(models, arch, len
         model.config.sliding_window = 32
     prompt = random_prompt(length, 7)
     masks = []
-    forward = model.forward
+    forward = type(model).forward
 
-    def spy(*args, **kwargs):
+    def spy(self, *args, **kwargs):
         masks.append(kwargs.get("attention_mask"))
-        return forward(*args, **kwargs)
+        return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", spy)
+    monkeypatch.setattr(type(model), "forward", spy)  # on the class: the shared model keeps no attribute
     chain = chain_tree(length - 1)
     with torch.no_grad():
         cache = new_cache(model, 64)
