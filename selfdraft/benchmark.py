@@ -29,6 +29,7 @@ from selfdraft.data import json_lines
 from selfdraft.drafters import build_drafter
 from selfdraft.generate import ContextLengthError, GenerationConfig, generate
 from selfdraft.kernels import cpu_report
+from selfdraft.prefix_cache import PrefixCache
 from selfdraft.progress import bar
 from selfdraft.sampling import SamplingConfig
 from selfdraft.stats import GenerationStats, acceptance_rates, common_prefix
@@ -163,6 +164,11 @@ class DecoderResult:
     match_prefix: list[float] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    """Target forwards: the prompts' prefills included."""
+    prefill_s: float = 0.0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    """Prompt tokens not prefilled: their KV came from the conversation's last turn (``prefix_cache``)."""
     other_s: float = 0.0
     depth_attempts: list[int] = field(default_factory=list)
     """Summed over generations: steps whose draft reached depth d with depths < d accepted."""
@@ -178,6 +184,8 @@ class DecoderResult:
         self.taus.append(stats.tau)
         self.draft_s += stats.draft_s
         self.verify_s += stats.verify_s + stats.prefill_s
+        self.prefill_s += stats.prefill_s
+        self.reused_tokens += stats.reused_tokens
         self.other_s += stats.other_s
         self.accept_length_counts.update(stats.accept_lengths)
         self.draft_steps += stats.draft_steps
@@ -263,9 +271,10 @@ class DecoderRun:
     """One decoder of a benchmark: built once outside the timed region and warmed up, then run
     conversation by conversation (so several decoders can take turns on the same prompts)."""
 
-    def __init__(self, target: Target, spec: str, cfg: GenerationConfig, warmup: list[int]):
+    def __init__(self, target: Target, spec: str, cfg: GenerationConfig, warmup: list[int], prefix_cache: bool = False):
         name, options = parse_decoder(spec)
         self.target, self.cfg = target, cfg
+        self.prefix_cache = prefix_cache and name not in ("hf", "hf_prompt_lookup")
         self.hf = name in ("hf", "hf_prompt_lookup")
         self.hf_lookup = name == "hf_prompt_lookup"
         # built once; generate() resets it for every prompt
@@ -275,11 +284,13 @@ class DecoderRun:
         self.turns = 0
         self.generate(warmup, 0)
 
-    def generate(self, ids: list[int], seed: int) -> tuple[list[int], GenerationStats | None]:
+    def generate(self, ids: list[int], seed: int, prefix_cache: PrefixCache | None = None
+                 ) -> tuple[list[int], GenerationStats | None]:
         if self.hf:
             return _hf_generate(self.target, ids, self.cfg, lookup=self.hf_lookup, seed=seed), None
         run_cfg = GenerationConfig(**{**asdict(self.cfg), "sampling": self.cfg.sampling, "seed": seed})
-        out = generate(self.target.model, ids, self.drafter, run_cfg, eos_token_ids=self.target.eos_token_ids)
+        out = generate(self.target.model, ids, self.drafter, run_cfg, eos_token_ids=self.target.eos_token_ids,
+                       prefix_cache=prefix_cache)
         return out.tokens, out.stats
 
     def run(self, conv: Conversation, number: int, reference: list[list[int]] | None,
@@ -289,13 +300,15 @@ class DecoderRun:
         overall; ``tick`` is called per turn."""
         res, target = self.result, self.target
         replies: list[str] = []
+        history = PrefixCache() if self.prefix_cache else None  # this conversation's KV, turn to turn
         for t in range(len(conv.turns)):
             ids = target.encode_chat(conv.messages(replies))
             _check_fits(target, ids, self.cfg, number, t + 1)
             i = self.turns
             t0 = time.perf_counter()
-            tokens, stats = self.generate(ids, i)
+            tokens, stats = self.generate(ids, i, history)
             dt = time.perf_counter() - t0
+            res.prompt_tokens += len(ids)
             res.new_tokens += len(tokens)
             res.wall_s += dt
             res.per_prompt_tok_s.append(len(tokens) / dt)
@@ -316,13 +329,14 @@ def _depth_cell(acc: list[float], depths: int) -> str:
 
 
 def format_table(rows: list[dict], depths: int = 4) -> str:
-    """The benchmark table; 'acc%@1..d' is the acceptance rate (%) at draft depths 1..d, 'drafted' the
-    share of steps that verified a draft (the others decoded plainly)."""
+    """The benchmark table; 'acc%@1..d' is the acceptance rate (%) at draft depths 1..d, 'prefill%' the
+    share of wall time in prompt prefills, 'drafted' the share of steps that verified a draft (the
+    others decoded plainly)."""
     w = max([len(r["decoder"]) for r in rows] + [7]) + 2
     dw = max([len(_depth_cell(r.get("acceptance_by_depth", []), depths)) for r in rows] + [11]) + 2
     acc_head = f"acc%@1..{depths}"
     head = (f"{'decoder':<{w}}{'tok/s':>8}{'median':>8}{'speedup':>9}{'tau':>6}{acc_head:>{dw}}{'ident':>7}"
-            f"{'prefix':>8}{'draft%':>8}{'other%':>8}{'drafted':>9}")
+            f"{'prefix':>8}{'prefill%':>9}{'draft%':>8}{'other%':>8}{'drafted':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         wall = r["wall_s"] or 1.0
@@ -331,12 +345,13 @@ def format_table(rows: list[dict], depths: int = 4) -> str:
         ident = f"{r['identical_frac']:.2f}" if r["identical_frac"] is not None else "-"
         prefix = f"{r['mean_match_prefix']:.2f}" if r["mean_match_prefix"] is not None else "-"
         speed = f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] is not None else "-"
+        prefill = f"{100 * r['prefill_s'] / wall:.1f}" if r["taus"] else "-"
         draft = f"{100 * r['draft_s'] / wall:.1f}" if r["taus"] else "-"
         other = f"{100 * r['other_s'] / wall:.1f}" if r["taus"] else "-"
         drafted = f"{100 * r['drafted_frac']:.0f}%" if r.get("drafted_frac") is not None else "-"
         lines.append(
             f"{r['decoder']:<{w}}{r['tokens_per_s']:>8.1f}{r['median_tok_s']:>8.1f}{speed:>9}{tau:>6}{acc:>{dw}}"
-            f"{ident:>7}{prefix:>8}{draft:>8}{other:>8}{drafted:>9}"
+            f"{ident:>7}{prefix:>8}{prefill:>9}{draft:>8}{other:>8}{drafted:>9}"
         )
     return "\n".join(lines)
 
@@ -351,12 +366,14 @@ def run_benchmark(
     meta: dict | None = None,
     progress: bool = False,
     auto_off: bool = False,
+    prefix_cache: bool = False,
 ) -> list[dict]:
     """Benchmark every decoder; the plain decoder (run first) is the greedy reference.
 
     ``prompts`` are single-turn strings or :class:`Conversation` records; ``progress`` draws a bar
     over (decoder, turn) pairs on stderr; ``auto_off`` lets this project's drafters decode plainly
-    while speculation measures slower (:class:`~selfdraft.gate.SpeculationGate`).
+    while speculation measures slower (:class:`~selfdraft.gate.SpeculationGate`); ``prefix_cache``: this
+    project's decoders prefill only each later turn's new tokens (HF generate prefills every turn whole).
     """
     convs = [p if isinstance(p, Conversation) else Conversation((p,)) for p in prompts]
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, auto_off=auto_off)
@@ -364,7 +381,7 @@ def run_benchmark(
         _check_fits(target, target.encode_chat(conv.messages([])), cfg, n, 1)
     order = (["plain"] if "plain" in decoders else []) + [d for d in decoders if d != "plain"]
     warmup = target.encode_chat(convs[0].messages([]))[:32]
-    runs = {spec: DecoderRun(target, spec, cfg, warmup) for spec in order}
+    runs = {spec: DecoderRun(target, spec, cfg, warmup, prefix_cache) for spec in order}
     reference = runs["plain"].result.outputs if "plain" in runs else None
     num_turns = sum(len(c.turns) for c in convs)
     with bar(len(order) * num_turns, "bench", progress, unit="turn") as pbar:
@@ -401,6 +418,9 @@ class BenchConfig:
     threads: int = opt(0, "torch threads (0 = number of cores)")
     auto_off: bool = opt(True, "this project's drafters decode plainly while speculation measures slower on this "
                                "machine (as generate/chat do); false: always draft")
+    prefix_cache: bool = opt(False, "multi-turn sets: this project's decoders reuse the conversation's KV from "
+                                    "the last turn and prefill only the new tokens (HF generate prefills every "
+                                    "turn whole; false: so do ours)")
     out: str = opt("outputs/bench.json", "where to write the JSON results")
     plots: str = opt("", "folder for PNG plots (accept lengths, acceptance by depth, speedup); '' = none")
 
@@ -458,7 +478,7 @@ def main(cfg: BenchConfig, quiet: bool = False, as_json: bool = False) -> list[d
     for t in temperatures(cfg):
         part = run_benchmark(target, convs, list(cfg.decoders), cfg.max_new_tokens,
                              SamplingConfig(t, cfg.top_k, cfg.top_p), None, meta, progress=not quiet,
-                             auto_off=cfg.auto_off)
+                             auto_off=cfg.auto_off, prefix_cache=cfg.prefix_cache)
         for row in part:
             row["temperature"] = t
         rows.extend(part)

@@ -109,6 +109,16 @@ class SpecCache(Cache):
         for layer in self.layers:
             layer.length = min(layer.length, length)
 
+    def ensure_capacity(self, max_len: int) -> None:
+        """Room for ``max_len`` positions in all, allocated now rather than by doubling mid-generation
+        (for a cache reused by a longer sequence)."""
+        for layer in self.layers:
+            if max_len > layer.max_len:
+                if layer.is_initialized:
+                    layer._grow(max_len)
+                else:
+                    layer.max_len = max_len
+
     def compact(self, start: int, keep: Tensor) -> None:
         """After verifying a tree written at ``start``: keep the nodes ``keep`` (k,) (sorted, root first)."""
         k = keep.numel()

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from selfdraft.benchmark import BenchConfig
     from selfdraft.drafters.base import Drafter
     from selfdraft.generate import GenerationConfig, GenerationOutput
+    from selfdraft.prefix_cache import PrefixCache
     from selfdraft.target import Target
 
 
@@ -144,7 +145,8 @@ def _load(cfg: DecodeConfig, out: Output) -> tuple[Target, Drafter | None, Gener
 
 
 def _reply(
-    target: Target, ids: list[int], drafter: Drafter | None, gen_cfg: GenerationConfig, show_draft: bool, live: bool
+    target: Target, ids: list[int], drafter: Drafter | None, gen_cfg: GenerationConfig, show_draft: bool, live: bool,
+    prefix_cache: PrefixCache | None = None,
 ) -> tuple[GenerationOutput, list[str]]:
     """Generate one reply, streaming it to stdout when ``live``; returns (output, per-token texts)."""
     from selfdraft.generate import generate
@@ -160,7 +162,8 @@ def _reply(
             sys.stdout.write(ansi_text(new, sources) if show_draft else "".join(new))
             sys.stdout.flush()
 
-    result = generate(target.model, ids, drafter, gen_cfg, target.eos_token_ids, target.tokenizer, stream)
+    result = generate(target.model, ids, drafter, gen_cfg, target.eos_token_ids, target.tokenizer, stream,
+                      prefix_cache)
     if live:
         print()
     return result, pieces
@@ -171,7 +174,8 @@ def _stats_line(result: GenerationOutput) -> str:
     return (
         f"[{s.new_tokens} tokens in {s.wall_s:.2f}s = {s.tokens_per_s:.1f} tok/s; tau {s.tau:.2f} over "
         f"{s.steps} target forwards; time draft {s.draft_s:.2f}s verify {s.verify_s + s.prefill_s:.2f}s "
-        f"other {s.other_s:.2f}s; stop: {result.stop_reason}]"
+        f"other {s.other_s:.2f}s; stop: {result.stop_reason}"
+        + (f"; {s.reused_tokens} prompt tokens reused from the last turn" if s.reused_tokens else "") + "]"
     )
 
 
@@ -248,9 +252,11 @@ def run_generate(cfg: GenerateConfig, out: Output) -> None:
 def run_chat(cfg: ChatConfig, out: Output) -> None:
     """Multi-turn REPL over stdin: each line is a user turn; /reset clears the history, /quit or EOF ends."""
     from selfdraft.generate import ContextLengthError
+    from selfdraft.prefix_cache import PrefixCache
     from selfdraft.show import ansi_legend
 
     target, drafter, gen_cfg = _load(cfg, out)
+    history = PrefixCache()  # the KV of the conversation so far: each turn prefills only its new tokens
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": cfg.system}] if cfg.system else []
     messages = list(system)
@@ -273,6 +279,7 @@ def run_chat(cfg: ChatConfig, out: Output) -> None:
             break
         if text == "/reset":
             messages = list(system)
+            history.clear()
             print("[history cleared]", file=sys.stderr)
             continue
         if text.startswith("/"):
@@ -282,7 +289,7 @@ def run_chat(cfg: ChatConfig, out: Output) -> None:
         ids = target.encode_chat(messages)
         turn_cfg = dataclasses.replace(gen_cfg, seed=cfg.seed + turn)
         try:
-            result, pieces = _reply(target, ids, drafter, turn_cfg, out.show_draft, live=True)
+            result, pieces = _reply(target, ids, drafter, turn_cfg, out.show_draft, live=True, prefix_cache=history)
         except ContextLengthError as err:
             messages.pop()
             print(f"selfdraft: error: {err} (/reset clears the history)", file=sys.stderr)

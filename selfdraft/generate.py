@@ -20,6 +20,7 @@ from selfdraft.acceptance import Acceptance, accept_greedy, accept_sampling, acc
 from selfdraft.adapter import new_cache, tree_forward
 from selfdraft.drafters.base import Draft, Drafter, StepResult, root_only
 from selfdraft.gate import ShadowDraft, SpeculationGate
+from selfdraft.prefix_cache import PrefixCache
 from selfdraft.sampling import GREEDY, SamplingConfig, choose, logits_to_probs
 from selfdraft.stats import GenerationStats
 from selfdraft.tree import chain_tree, truncate_depth
@@ -146,11 +147,14 @@ def generate(
     eos_token_ids: Sequence[int] | frozenset[int] = (),
     tokenizer: object | None = None,
     on_tokens: Callable[[list[int], list[str]], None] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> GenerationOutput:
     """Generate up to ``cfg.max_new_tokens`` tokens after ``prompt`` (token ids).
 
     With ``drafter=None`` this is plain decoding. ``on_tokens(tokens, sources)`` is called with each
     step's newly committed tokens (for streaming). ``tokenizer`` is needed for stop strings.
+    ``prefix_cache`` (a chat's): the prompt's longest prefix shared with the sequence it holds is not
+    prefilled again, and it holds this call's sequence afterwards.
     """
     if cfg.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to decode the text")
@@ -179,8 +183,15 @@ def generate(
         return out
 
     t_start = time.perf_counter()
-    cache = new_cache(model, prompt_ids.numel() + budget + CACHE_SLACK)
     committed: list[int] = prompt_ids.tolist()
+    capacity = prompt_ids.numel() + budget + CACHE_SLACK
+    reuse = prefix_cache.take(model, committed, hidden_layers) if prefix_cache is not None else None
+    if reuse is not None and reuse.cache is not None:
+        cache = reuse.cache
+        cache.ensure_capacity(capacity)
+    else:
+        cache = new_cache(model, capacity)
+    reused = reuse.length if reuse is not None else 0
 
     def emit(new: list[int], sources: list[str]) -> bool:
         """Append tokens up to a stop condition; returns True when generation is over."""
@@ -193,17 +204,24 @@ def generate(
             on_tokens(new[:taken], sources[:taken])
         return reason is not None
 
-    # prefill: the whole prompt as a chain, then the first token from the last position
+    # prefill: the prompt (after a reused prefix) as a chain, then the first token from the last position
     t0 = time.perf_counter()
-    fwd = tree_forward(
-        model, cache, prompt_ids[None].to(device), chain_tree(prompt_ids.numel() - 1), hidden_layers, True
-    )
+    rest = prompt_ids[reused:]
+    fwd = tree_forward(model, cache, rest[None].to(device), chain_tree(rest.numel() - 1), hidden_layers, True)
     first = int(choose(fwd.logits[0, -1], cfg.sampling, generator))
     stats.prefill_s = time.perf_counter() - t0
+    stats.reused_tokens = reused
+    prompt_hidden = fwd.hidden_states
+    if prompt_hidden is not None and reuse is not None and reuse.hidden:
+        prompt_hidden = {i: torch.cat([reuse.hidden[i], h], 1) for i, h in prompt_hidden.items()}
+    # hidden states of every cached position, in order, for the prefix cache's next call
+    kept_hidden = None
+    if prefix_cache is not None and prompt_hidden is not None:
+        kept_hidden = {i: [h] for i, h in prompt_hidden.items()}
     done = emit([first], ["target"])
     if drafter is not None and not done:
         t0 = time.perf_counter()
-        drafter.reset(StepResult(torch.tensor(committed), 0, fwd.hidden_states))
+        drafter.reset(StepResult(torch.tensor(committed), 0, prompt_hidden))
         stats.draft_s += time.perf_counter() - t0
 
     while not done:
@@ -255,13 +273,18 @@ def generate(
             if score is not None:
                 gate.record_shadow(1, score, shadow_kind)
                 shadow = None
+        hidden = None
+        if fwd.hidden_states is not None and (kept_hidden is not None or (drafter is not None and not done)):
+            hidden = {i: h[:, acc.path.to(device)] for i, h in fwd.hidden_states.items()}
+            if kept_hidden is not None:
+                for i, h in hidden.items():
+                    kept_hidden[i].append(h)
         if drafter is not None and not done:
-            hidden = None
-            if fwd.hidden_states is not None:
-                hidden = {i: h[:, acc.path.to(device)] for i, h in fwd.hidden_states.items()}
             t0 = time.perf_counter()
             drafter.update(StepResult(torch.tensor(committed), acc.num_accepted, hidden))
             stats.draft_s += time.perf_counter() - t0
+    if prefix_cache is not None:
+        prefix_cache.keep(model, committed, cache, kept_hidden)
     stats.new_tokens = len(out.tokens)
     stats.wall_s = time.perf_counter() - t_start
     return out

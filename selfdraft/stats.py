@@ -42,6 +42,8 @@ class GenerationStats:
     """1 + accepted, per step (the histogram behind tau)."""
     draft_steps: int = 0
     """Steps that verified a draft (a tree beyond the root); the rest were plain decoding steps."""
+    reused_tokens: int = 0
+    """Prompt tokens whose KV came from a prefix cache (not prefilled again)."""
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0

@@ -71,6 +71,18 @@ def test_bench_multi_turn_conversations(tiny_target_dir, tmp_path):
     assert all(len(r["per_prompt_tok_s"]) == 5 for r in rows), rows
     assert rows[1]["identical_frac"] == 1.0, rows[1]
     assert "3 prompts / 5 turns" in proc.stdout, proc.stdout
+    assert all(r["reused_tokens"] == 0 for r in rows), rows
+    # with the prefix cache the second turns prefill only their new tokens, and the replies stay the same
+    again = tmp_path / "reuse.json"
+    proc = run("bench", "--target", str(tiny_target_dir), "--dtype", "float32", "--prompts", str(prompts),
+               "--turns", "all", "--max-new-tokens", "6", "--decoders", "plain prompt_lookup", "--out", str(again),
+               "--prefix-cache", "true")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reused = json.loads(again.read_text())["results"]
+    assert reused[1]["identical_frac"] == 1.0, reused[1]
+    for old, new in zip(rows, reused):
+        assert new["prompt_tokens"] == old["prompt_tokens"], (old, new)  # the same conversations
+        assert 0 < new["reused_tokens"] < new["prompt_tokens"], new
 
 
 def test_bench_sampling_json_plots_quiet(tiny_target_dir, tmp_path):
@@ -146,6 +158,8 @@ def test_chat_keeps_history_resets_and_quits(tiny_target_dir):
     # the same user turn 'abc' answered with and without the first exchange in the history
     assert replies[1] != replies[2], f"history had no effect: {replies}"
     assert "[history cleared]" in proc.stderr
+    # the second turn prefilled only its new tokens; after /reset nothing is reused
+    assert ["reused from the last turn" in line for line in stats] == [False, True, False], stats
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Speculative sampling with a separate draft model (Leviathan et al., 2023; Chen et al., 2023).
 
 A small LM with the target's tokenizer proposes a chain of gamma tokens, keeping its own KV cache
-across steps (rolled back to the longest prefix it shares with the committed sequence). gamma
+across steps and prompts (rolled back to the longest prefix it shares with the committed sequence). gamma
 adapts to the recent acceptance: up by 2 after a fully accepted chain, down by 1 otherwise (the
 heuristic of transformers' assisted generation). The same class drafts with the target's own first
 layers for layer-skip self-drafting (see layer_skip.py).
@@ -39,9 +39,10 @@ class DraftModelDrafter:
         self.device = next(model.parameters()).device
 
     def reset(self, step: StepResult) -> None:
+        # the draft cache stays: propose rolls it back to the prefix the new sequence shares with it,
+        # so a chat's next turn (or any prompt extending the last) does not prefill the draft model again
         self.gamma = self.initial_gamma
-        self.cache = new_cache(self.model, step.tokens.numel() + 512)
-        self.cached = []
+        self.cache.ensure_capacity(step.tokens.numel() + 512)
 
     def _feed(self, tokens: list[int]) -> Tensor:
         """Append tokens to the draft cache; returns the (V,) logits after the last one."""
