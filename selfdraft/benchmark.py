@@ -25,7 +25,7 @@ import yaml
 
 from selfdraft.assets import package_file
 from selfdraft.config import opt
-from selfdraft.data import json_lines
+from selfdraft.data import has_chat_template, json_lines, reply_content
 from selfdraft.drafters import build_drafter
 from selfdraft.generate import ContextLengthError, GenerationConfig, generate
 from selfdraft.kernels import cpu_report
@@ -301,6 +301,7 @@ class DecoderRun:
         res, target = self.result, self.target
         replies: list[str] = []
         history = PrefixCache() if self.prefix_cache else None  # this conversation's KV, turn to turn
+        chat = has_chat_template(target.tokenizer)
         for t in range(len(conv.turns)):
             ids = target.encode_chat(conv.messages(replies))
             _check_fits(target, ids, self.cfg, number, t + 1)
@@ -318,7 +319,8 @@ class DecoderRun:
             if reference is not None and self.cfg.sampling.greedy:
                 res.identical.append(tokens == reference[i])
                 res.match_prefix.append(_prefix_match(tokens, reference[i]))
-            replies.append(target.tokenizer.decode(tokens, skip_special_tokens=True))
+            # rendered again the way the target saw it (a base model's reply continues the separator)
+            replies.append(reply_content(target.tokenizer.decode(tokens, skip_special_tokens=True), chat))
             self.turns += 1
             if tick is not None:
                 tick()

@@ -251,12 +251,14 @@ def run_generate(cfg: GenerateConfig, out: Output) -> None:
 
 def run_chat(cfg: ChatConfig, out: Output) -> None:
     """Multi-turn REPL over stdin: each line is a user turn; /reset clears the history, /quit or EOF ends."""
+    from selfdraft.data import has_chat_template, reply_content
     from selfdraft.generate import ContextLengthError
     from selfdraft.prefix_cache import PrefixCache
     from selfdraft.show import ansi_legend
 
     target, drafter, gen_cfg = _load(cfg, out)
     history = PrefixCache()  # the KV of the conversation so far: each turn prefills only its new tokens
+    chat = has_chat_template(target.tokenizer)  # how a reply goes back into the history (reply_content)
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": cfg.system}] if cfg.system else []
     messages = list(system)
@@ -294,7 +296,7 @@ def run_chat(cfg: ChatConfig, out: Output) -> None:
             messages.pop()
             print(f"selfdraft: error: {err} (/reset clears the history)", file=sys.stderr)
             continue
-        messages.append({"role": "assistant", "content": "".join(pieces)})
+        messages.append({"role": "assistant", "content": reply_content("".join(pieces), chat)})
         print(_stats_line(result), file=sys.stderr)
         turn += 1
 
