@@ -274,8 +274,8 @@ class DecoderRun:
     def __init__(self, target: Target, spec: str, cfg: GenerationConfig, warmup: list[int], prefix_cache: bool = False):
         name, options = parse_decoder(spec)
         self.target, self.cfg = target, cfg
-        self.prefix_cache = prefix_cache and name not in ("hf", "hf_prompt_lookup")
         self.hf = name in ("hf", "hf_prompt_lookup")
+        self.prefix_cache = prefix_cache and not self.hf
         self.hf_lookup = name == "hf_prompt_lookup"
         # built once; generate() resets it for every prompt
         temperature = cfg.sampling.temperature  # a head picks the tree tuned for it

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from selfdraft.cache import SpecCache
+from selfdraft.stats import common_prefix
 
 
 @dataclass
@@ -61,12 +62,7 @@ class PrefixCache:
         self.clear()
         if cache is None or not same_model or not _dtype_matches(cache, model):
             return Reuse(0, None, None)
-        n = 0
-        for a, b in zip(tokens, prompt):
-            if a != b:
-                break
-            n += 1
-        n = min(n, len(prompt) - 1)
+        n = min(common_prefix(tokens, prompt), len(prompt) - 1)
         if any(i not in hidden for i in hidden_layers):  # this drafter reads states the last one did not keep
             cache.truncate(0)
             return Reuse(0, cache, None)

@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass, field
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens two sequences share."""
     n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
+    for x, y in zip(a, b):
+        if x != y:
+            break
         n += 1
     return n
 

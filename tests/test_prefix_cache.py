@@ -19,15 +19,15 @@ from selfdraft.tree import chain_tree
 NEW = 16
 
 
-def conversation(model, make_drafter, turns: int, prefix_cache: PrefixCache | None, cfg=None, eos=()):
-    """Three user turns of random tokens, each reply fed back: (prompt, output) per turn."""
+def conversation(model, make_drafter, turns: int, prefix_cache: PrefixCache | None, cfg=None):
+    """``turns`` user turns of random tokens, each reply fed back: (prompt, output) per turn."""
     cfg = cfg or GenerationConfig(max_new_tokens=NEW)
     history: list[int] = []
     out = []
     for turn in range(turns):
         prompt = history + random_prompt(5 + 3 * turn, 100 + turn)
         drafter = make_drafter(model) if make_drafter is not None else None
-        result = generate(model, prompt, drafter, cfg, eos_token_ids=eos, prefix_cache=prefix_cache)
+        result = generate(model, prompt, drafter, cfg, prefix_cache=prefix_cache)
         out.append((prompt, result))
         history = prompt + result.tokens
     return out

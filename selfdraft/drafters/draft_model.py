@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from selfdraft.adapter import check_supported, new_cache, tree_forward
 from selfdraft.drafters.base import Draft, StepResult
 from selfdraft.sampling import SamplingConfig, argmax, logits_to_probs, sample
+from selfdraft.stats import common_prefix
 from selfdraft.tree import chain_tree
 
 
@@ -55,12 +56,7 @@ class DraftModelDrafter:
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         seq = tokens.tolist()
         # roll the cache back to the longest prefix it shares with the committed sequence
-        common = 0
-        for a, b in zip(self.cached, seq):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(seq) - 1)  # always re-feed at least the root
+        common = min(common_prefix(self.cached, seq), len(seq) - 1)  # always re-feed at least the root
         self.cache.truncate(common)
         del self.cached[common:]
         logits = self._feed(seq[common:])
