@@ -467,11 +467,15 @@ def main(cfg: TuneConfig) -> dict:
             for p in prompts:
                 generate(model, p, recorder, gen_cfg, target.eos_token_ids)
             for depth in range(1, cfg.max_depth + 1):
-                # 4. drafting cost of this (depth, top_k)
-                draft_s = draft_latency(model, EagleDrafter(head, depth, top_k, cfg.max_nodes), prompts[0], cfg.reps)
+                # 4. drafting cost of this (depth, top_k): the full expansion, and on its own each budget
+                # small enough that the drafter skips nodes it could not keep (EagleDrafter.children)
+                full_s = draft_latency(model, EagleDrafter(head, depth, top_k, cfg.max_nodes), prompts[0], cfg.reps)
                 for b in budgets:
                     if b < depth or b > top_k + (depth - 1) * top_k * top_k:
                         continue  # fewer nodes than the depth, or more than this expansion generates
+                    drafter = EagleDrafter(head, depth, top_k, b)
+                    pruned = any(drafter.children(d) < top_k for d in range(depth))
+                    draft_s = draft_latency(model, drafter, prompts[0], cfg.reps) if pruned else full_s
                     options = {"depth": depth, "top_k": top_k, "total_tokens": b}
                     candidates.append(candidate(options, b, tau_from_profile(recorder.steps, b, depth), draft_s))
             print(f"[tune] top_k {top_k}: {len(recorder.steps)} profiled steps")

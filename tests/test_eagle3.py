@@ -176,8 +176,48 @@ def test_incremental_pairs_equal_one_shot(models):
             d.kv.length = 0
         one = d1._run(emb, head.fuse(feats), pos, None)
         d2._run(emb[:4], head.fuse(feats[:4]), pos[:4], None)
-        two = d2._run(emb[4:], head.fuse(feats[4:]), pos[4:], None)
-    assert (one[4:] - two).abs().max() < 1e-5
+        two = d2._run(emb[4:5], head.fuse(feats[4:5]), pos[4:5], None)  # one pair: no mask built
+        three = d2._run(emb[5:], head.fuse(feats[5:]), pos[5:], None)
+    assert (one[4:5] - two).abs().max() < 1e-5
+    assert (one[5:] - three).abs().max() < 1e-5
+
+
+class _AllChildren(EagleDrafter):
+    """Generates top_k children of top_k frontier nodes at every depth (EAGLE-2's expansion in full)."""
+
+    def children(self, depth: int) -> int:
+        return self.top_k
+
+    def frontier_width(self, depth: int) -> int:
+        return self.top_k
+
+
+@pytest.mark.parametrize("depth,top_k,total", [(1, 4, 1), (1, 4, 3), (2, 3, 2), (2, 4, 3), (3, 3, 4), (4, 4, 5),
+                                               (3, 4, 8), (4, 2, 9)])
+def test_nodes_that_could_not_be_kept_are_not_generated(models, depth, top_k, total):
+    """Guards EagleDrafter.children and frontier_width: the draft is the one the full EAGLE-2
+    expansion gives, with fewer nodes generated where the budget is below top_k + depth."""
+    from selfdraft.drafters.base import StepResult
+
+    model = models["llama"]
+    head = make_head(model, scale=20.0)
+    hidden = {i: torch.randn(1, 6, model.config.hidden_size) for i in head.cfg.feature_layers}
+    tokens = torch.tensor(random_prompt(7, 1))
+    capped, full = EagleDrafter(head, depth, top_k, total), _AllChildren(head, depth, top_k, total)
+    generated = []
+    for d in (capped, full):
+        expand = d.expand
+        d.expand = lambda *a: generated.append((out := expand(*a))[0].size) or out  # noqa: B023
+        d.reset(StepResult(tokens, 0, hidden))
+        draft = d.propose(tokens[:-1], SamplingConfig(), None)
+        assert draft.tree.size == 1 + total
+        if d is capped:
+            first = draft
+    assert torch.equal(first.tokens, draft.tokens) and torch.equal(first.tree.parents, draft.tree.parents)
+    if total < top_k + depth - 1:
+        assert generated[0] < generated[1]
+    else:
+        assert generated[0] == generated[1]
 
 
 def test_eagle3_save_load_round_trip(tmp_path):

@@ -84,6 +84,31 @@ def test_eagle2_rerank_keeps_best_nodes_and_stays_a_tree():
     assert sub.parents.tolist() == [-1, 0, 1, 2]
 
 
+def test_eagle2_rerank_equals_the_definition_on_random_trees_with_ties():
+    """Guards top_nodes_by_score's list-based selection against the definition: the root and the
+    budget best nodes by (score desc, index asc), closed under ancestors (which cumulative scores
+    never need, other scores do), as select_nodes cuts them."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = int(torch.randint(2, 30, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+        tree = tree_from_parents(parents)
+        steps = -torch.randint(0, 3, (n,), generator=gen).float()  # many ties, zero steps along paths
+        scores = torch.zeros(n)
+        for i in range(1, n):
+            scores[i] = scores[parents[i]] + steps[i]
+        if trial % 2:  # scores that are not cumulative: the ancestor closure has work to do
+            scores = steps
+        budget = int(torch.randint(1, n, (1,), generator=gen))
+        order = sorted(range(1, n), key=lambda i: (-float(scores[i]), i))[:budget]
+        keep = torch.zeros(n, dtype=torch.bool)
+        keep[[0] + order] = True
+        want_tree, want_old = select_nodes(tree, (tree.ancestors & keep[:, None]).any(0))
+        got_tree, got_old = top_nodes_by_score(tree, scores, budget)
+        assert got_old.tolist() == want_old.tolist(), trial
+        assert torch.equal(got_tree.parents, want_tree.parents) and torch.equal(got_tree.ancestors, want_tree.ancestors)
+
+
 @pytest.mark.parametrize("length", [0, 1, 6, 33])
 def test_chain_tree_equals_the_parent_built_chain(length):
     """Guards the tensor-built chain (fast for long prompts) against drifting from the general builder."""

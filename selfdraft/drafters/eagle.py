@@ -4,7 +4,8 @@ The head keeps its own KV cache over committed (feature, next token) pairs. Each
 1. feed the pairs committed since the last step (target features of the accepted path);
 2. expand: depth 1 takes the top-k tokens of the last pair's output; each further depth runs the
    head on the top-k frontier nodes (by cumulative log-probability), each attending to the
-   committed cache and its own ancestors, and gives each of them top-k children;
+   committed cache and its own ancestors, and gives each of them top-k children (nodes the budget
+   could never keep are skipped: :meth:`EagleDrafter.children`, :meth:`EagleDrafter.frontier_width`);
 3. rerank every generated node by cumulative log-probability and keep the best ``total_tokens``
    (an ancestor-closed set), which is the tree the target verifies;
 4. roll the head cache back to the committed pairs (tree entries are dropped).
@@ -81,12 +82,30 @@ class EagleDrafter:
         residual, q, k, v = self.head.project(emb[None], feature[None], positions[None])
         start = self.kv.length
         keys, values = self.kv.update(k, v)
+        if visible_tree is None and n == 1:  # one committed input sees the whole cache
+            return self.head.complete(residual, q, keys, values, None)[0]
         mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=emb.device)
         if visible_tree is None:  # causal among the new committed inputs
             mask[:, start:] = torch.tril(torch.ones(n, n, dtype=torch.bool, device=emb.device))
         else:
             mask[:, self.committed :] = visible_tree
         return self.head.complete(residual, q, keys, values, mask[None, None])[0]
+
+    def children(self, depth: int) -> int:
+        """Top-k children per frontier node at loop ``depth`` (0: the root's) of a deterministic tree.
+
+        Only ``total_tokens`` nodes are kept, by cumulative score, and a node is outranked by its
+        non-root ancestors and by its better siblings: the c-th child of a node at tree depth d can be
+        kept only if d + c <= total_tokens. Children past that are not generated (the kept tree is the
+        same, for less work)."""
+        return min(self.top_k, self.total_tokens - depth)
+
+    def frontier_width(self, depth: int) -> int:
+        """How many of loop ``depth``'s new nodes (tree depth ``depth + 1``) a deterministic tree runs
+        through the head for children: top_k, but the r-th best of them is outranked by r - 1 of its
+        level, itself and its ``depth`` non-root ancestors, so its children can be kept only if
+        depth + r < total_tokens."""
+        return min(self.top_k, self.total_tokens - depth - 1)
 
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         backlog = 0 if self.pending is None else self.pending[0].shape[0]  # committed pairs to feed first
@@ -134,7 +153,7 @@ class EagleDrafter:
             h = torch.stack([node_hidden[f] for f in frontier])
             if sampling is None:
                 logp = torch.log_softmax(head.logits(h).float(), -1)
-                top_lp, top_i = logp.topk(self.top_k, dim=-1)
+                top_lp, top_i = logp.topk(self.children(d), dim=-1)
             else:
                 q = logits_to_probs(head.logits(h), sampling)
                 # draws past the budget would be dropped: draw at most what can still be kept
@@ -142,10 +161,12 @@ class EagleDrafter:
                 top_lp = q.gather(1, top_i.clamp(min=0)).log().masked_fill(top_i < 0, float("-inf"))
                 q_rows.update(zip(frontier, q))
             new_nodes = []
-            for row, f in enumerate(frontier):
-                drawn = top_i[row] >= 0
-                ids = top_i[row][drawn] if draft_ids is None else draft_ids[top_i[row][drawn]]
-                for lp, i in zip(top_lp[row][drawn].tolist(), ids.tolist()):
+            # one conversion to Python lists per depth (per-row tensor indexing cost more than the tree)
+            ids = top_i.clamp(min=0) if draft_ids is None else draft_ids[top_i.clamp(min=0)]
+            for f, row_ids, row_lps, row_drawn in zip(frontier, ids.tolist(), top_lp.tolist(), (top_i >= 0).tolist()):
+                for i, lp, was_drawn in zip(row_ids, row_lps, row_drawn):
+                    if not was_drawn:  # fewer draws than asked for (q ran out of mass)
+                        continue
                     parents.append(f)
                     node_tokens.append(i)
                     scores.append(scores[f] + lp)
@@ -153,8 +174,10 @@ class EagleDrafter:
                     new_nodes.append(len(parents) - 1)
             if d + 1 == self.depth or (sampling is not None and len(parents) - 1 >= self.total_tokens):
                 break
-            # next frontier: the top-k new nodes by cumulative score, run through the head
-            best = sorted(new_nodes, key=lambda x: -scores[x])[: self.top_k]
+            # next frontier: the top-k new nodes by cumulative score (fewer where no child of theirs
+            # could be kept), run through the head
+            width = self.top_k if sampling is not None else self.frontier_width(d)
+            best = sorted(new_nodes, key=lambda x: -scores[x])[: max(width, 0)]
             if not best:
                 break
             entry_of.extend(best)
