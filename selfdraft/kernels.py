@@ -90,7 +90,8 @@ positions 2.3 vs 23 ms per layer."""
 ATTENTION_NAME = "selfdraft_bf16"
 """Name the fused attention is registered under in Hugging Face's attention interface."""
 KERNEL_SOURCES = (
-    "bindings.cpp", "bf16_linear.cpp", "bf16_linear_avx512.cpp", "bf16_attention.cpp", "bf16_rms_norm.cpp", "bf16_rope.cpp", "bf16_decoder.cpp"
+    "bindings.cpp", "bf16_linear.cpp", "bf16_linear_avx512.cpp", "bf16_attention.cpp", "bf16_rms_norm.cpp", "bf16_rope.cpp", "bf16_decoder.cpp",
+    "eagle3_step.cpp",
 )
 """Sources of the kernel module under selfdraft/csrc (kernels.h holds what they share)."""
 BLOCK_ROWS = 2048

@@ -174,10 +174,10 @@ def test_incremental_pairs_equal_one_shot(models):
         for d in (d1, d2):
             d.committed = 0
             d.kv.length = 0
-        one = d1._run(emb, head.fuse(feats), pos, None)
+        one = d1._run(emb, head.fuse(feats), pos, None)[0]
         d2._run(emb[:4], head.fuse(feats[:4]), pos[:4], None)
-        two = d2._run(emb[4:5], head.fuse(feats[4:5]), pos[4:5], None)  # one pair: no mask built
-        three = d2._run(emb[5:], head.fuse(feats[5:]), pos[5:], None)
+        two = d2._run(emb[4:5], head.fuse(feats[4:5]), pos[4:5], None)[0]  # one pair: no mask built
+        three = d2._run(emb[5:], head.fuse(feats[5:]), pos[5:], None)[0]
     assert (one[4:5] - two).abs().max() < 1e-5
     assert (one[5:] - three).abs().max() < 1e-5
 
@@ -312,3 +312,76 @@ def test_sampled_eagle_draft_keeps_draw_order_and_carries_q(tmp_path):
     folder = save(tmp_path / "head", "eagle3", head.cfg, head, model, "tiny")
     with pytest.raises(ValueError, match="deterministic"):
         build_drafter("head", model, path=str(folder), lookup=4, sample=True)
+
+
+def _drafts_through(monkeypatch, model, head, lean: str, options: dict, sampling: SamplingConfig):
+    """Every expand of a generation (tree parents, tokens, scores, q) with the lean step on or off, and
+    how many head runs took it."""
+    import selfdraft.heads.lean_step as lean_step
+
+    monkeypatch.setenv(lean_step.LEAN_STEP_ENV, lean)
+    drafter = EagleDrafter(head, **options)
+    seen, runs = [], {"lean": 0}
+    expand, run = drafter.expand, drafter._run
+
+    def recording_expand(*a):
+        out = expand(*a)
+        seen.append((out[0].parents, out[1], out[2], out[3]))
+        return out
+
+    def counting_run(emb, *a, **k):
+        runs["lean"] += drafter.step is not None and emb.shape[0] <= 16
+        return run(emb, *a, **k)
+
+    drafter.expand, drafter._run = recording_expand, counting_run
+    out = generate(model, random_prompt(9, 4), drafter, GenerationConfig(max_new_tokens=24, sampling=sampling, seed=3))
+    return out.tokens, seen, runs["lean"]
+
+
+@pytest.mark.parametrize("options,temperature", [
+    (dict(depth=1, top_k=4, total_tokens=1), 0.0),
+    (dict(depth=3, top_k=3, total_tokens=6), 0.0),
+    (dict(depth=4, top_k=4, total_tokens=12), 0.0),
+    (dict(depth=3, top_k=3, total_tokens=6, sample=True), 1.0),
+])
+def test_lean_step_drafts_what_the_head_modules_draft(monkeypatch, options, temperature):
+    """Guards the lean step (selfdraft/heads/lean_step.py, csrc/eagle3_step.cpp): a bf16 head's every
+    draft (tree, tokens, scores, q) and the generation are bit-identical to its modules' path under the
+    fused kernels, with committed stretches of one and of several pairs and trees up to four deep."""
+    from selfdraft.kernels import build_fused_kernel
+
+    if build_fused_kernel() is None:
+        pytest.skip("the fused bf16 kernels need an x86 CPU with AVX2 and a C++ compiler")
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    head = make_head(model, scale=20.0).to(torch.bfloat16)
+    sampling = SamplingConfig(temperature)
+    tokens_off, off, lean_off = _drafts_through(monkeypatch, model, head, "0", options, sampling)
+    tokens_on, on, lean_on = _drafts_through(monkeypatch, model, head, "1", options, sampling)
+    assert lean_off == 0 and lean_on >= len(on) > 3
+    assert tokens_on == tokens_off and len(on) == len(off)
+    for a, b in zip(on, off):
+        assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+        assert (a[3] is None and b[3] is None) or torch.equal(a[3], b[3])
+
+
+def test_lean_step_follows_the_head_weights():
+    """Guards the step's cache: it is rebuilt when the head's weights move (``head.to``), absent for
+    an fp32 head, for another head type and with the kernels switched off."""
+    from selfdraft.heads.eagle1 import Eagle1Config, Eagle1Head
+    from selfdraft.heads.lean_step import LEAN_STEP_ENV, lean_step
+    from selfdraft.kernels import build_fused_kernel
+
+    if build_fused_kernel() is None:
+        pytest.skip("the fused bf16 kernels need an x86 CPU with AVX2 and a C++ compiler")
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    head = make_head(model).to(torch.bfloat16)
+    step = lean_step(head)
+    assert step is not None and lean_step(head) is step
+    head.float()
+    assert lean_step(head) is None
+    head.bfloat16()
+    assert lean_step(head) not in (None, step)
+    assert lean_step(Eagle1Head(Eagle1Config.for_target(model), model.get_input_embeddings()).bfloat16()) is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(LEAN_STEP_ENV, "0")
+        assert lean_step(head) is None

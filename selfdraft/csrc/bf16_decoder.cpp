@@ -11,11 +11,6 @@
 #include <algorithm>
 
 namespace selfdraft {
-namespace {
-
-at::Tensor norm(const at::Tensor& x, const Norm& n) { return bf16_rms_norm(x, n.weight, n.eps, n.unit_offset); }
-
-}  // namespace
 
 DecoderLayer::DecoderLayer(int64_t type, const std::vector<c10::optional<at::Tensor>>& norms, const std::vector<double>& eps,
                            const std::vector<bool>& unit_offset, std::vector<at::Tensor> qkv,
@@ -53,13 +48,13 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor x, const std::vector<at
                 "layer ", i, "'s cache buffer holds ", keys[i].size(2), " positions, ", start + n, " needed");
     for (size_t r = 0; r < record.size(); ++r)
       if (record[r] == static_cast<int64_t>(i)) out[1 + r] = x;
-    at::Tensor h = norm(x, L.input_norm);
+    at::Tensor h = apply_norm(x, L.input_norm);
     std::vector<at::Tensor> qkv = bf16_linear_many(h, L.qkv, L.qkv_bias);
     at::Tensor q = qkv[0].view({b, n, L.heads, L.head_dim});
     at::Tensor key = qkv[1].view({b, n, L.kv_heads, L.head_dim});
     if (L.q_norm.weight.defined()) {
-      q = norm(q, L.q_norm);
-      key = norm(key, L.k_norm);
+      q = apply_norm(q, L.q_norm);
+      key = apply_norm(key, L.k_norm);
     }
     q = bf16_rope(q, cos[L.type], sin[L.type]);
     key = bf16_rope(key, cos[L.type], sin[L.type]);
@@ -69,12 +64,12 @@ std::vector<at::Tensor> DecoderStack::forward(at::Tensor x, const std::vector<at
     at::Tensor a = bf16_attention(q.transpose(1, 2), keys[i].narrow(2, 0, start + n), values[i].narrow(2, 0, start + n),
                                   masks[L.type], L.scale);
     at::Tensor o = bf16_linear(a.view({b, n, -1}), L.o, L.o_bias);
-    x = x + (L.attn_out_norm.weight.defined() ? norm(o, L.attn_out_norm) : o);
-    h = norm(x, L.mlp_norm);
+    x = x + (L.attn_out_norm.weight.defined() ? apply_norm(o, L.attn_out_norm) : o);
+    h = apply_norm(x, L.mlp_norm);
     std::vector<at::Tensor> gate_up = bf16_linear_many(h, L.gate_up, L.gate_up_bias);
     at::Tensor act = L.act == 0 ? at::silu(gate_up[0]) : at::gelu(gate_up[0], "tanh");
     at::Tensor m = bf16_linear(act * gate_up[1], L.down, L.down_bias);
-    x = x + (L.mlp_out_norm.weight.defined() ? norm(m, L.mlp_out_norm) : m);
+    x = x + (L.mlp_out_norm.weight.defined() ? apply_norm(m, L.mlp_out_norm) : m);
   }
   out[0] = x;
   return out;

@@ -42,4 +42,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "run every layer over x (B, n, hidden); returns [output, inputs of the layers in record]",
            pybind11::arg("x"), pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("start"),
            pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("masks"), pybind11::arg("record"));
+  pybind11::class_<selfdraft::Eagle3Step>(m, "Eagle3Step", "an EAGLE-3 head's drafting step in one call (see kernels.h)")
+      .def(pybind11::init<at::Tensor, std::vector<at::Tensor>, std::vector<double>, std::vector<bool>, std::vector<at::Tensor>,
+                          at::Tensor, std::vector<at::Tensor>, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double>(),
+           pybind11::arg("fc"), pybind11::arg("norms"), pybind11::arg("eps"), pybind11::arg("unit_offset"),
+           pybind11::arg("qkv"), pybind11::arg("o"), pybind11::arg("gate_up"), pybind11::arg("down"),
+           pybind11::arg("lm_head"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
+           pybind11::arg("scale"))
+      .def("forward", &selfdraft::Eagle3Step::forward,
+           "the layer over n rows written at cache position start; returns [output (n, hidden), logits of rows logits_from..]",
+           pybind11::arg("emb"), pybind11::arg("feature"), pybind11::arg("fuse"), pybind11::arg("keys"),
+           pybind11::arg("values"), pybind11::arg("start"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("visible"), pybind11::arg("committed"), pybind11::arg("logits_from"));
 }

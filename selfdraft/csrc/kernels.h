@@ -107,6 +107,8 @@ struct Norm {
   bool unit_offset = false;
 };
 
+inline at::Tensor apply_norm(const at::Tensor& x, const Norm& n) { return bf16_rms_norm(x, n.weight, n.eps, n.unit_offset); }
+
 // One decoder layer's weights, gathered once (bf16_decoder.cpp). Llama: x += o(attn(norm_in(x)));
 // x += down(act(gate(h)) * up(h)), h = norm_mlp_in(x). Gemma-3 adds q/k norms over each head and a norm
 // of the attention output and of the MLP output before each sum. ``type`` indexes the forward's
@@ -143,6 +145,28 @@ struct DecoderStack {
                                   int64_t start, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                                   const std::vector<at::Tensor>& masks, const std::vector<int64_t>& record) const;
   std::vector<DecoderLayer> layers;
+};
+
+// The EAGLE-3 head's drafting step on the kernels (eagle3_step.cpp): for n new (embedding, feature)
+// rows, optionally fuse the target features (fc), run the draft decoder layer (two input norms over the
+// concatenation, q/k/v with the head's rotary embedding, the cache write, attention, o, the MLP) with
+// the feature as the residual stream, and project rows ``logits_from ..`` to the draft vocabulary.
+// Returns {layer output (n, hidden), logits (n - logits_from, draft vocab)}.
+struct Eagle3Step {
+  Eagle3Step(at::Tensor fc, std::vector<at::Tensor> norms, std::vector<double> eps, std::vector<bool> unit_offset,
+             std::vector<at::Tensor> qkv, at::Tensor o, std::vector<at::Tensor> gate_up, at::Tensor down,
+             at::Tensor lm_head, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale);
+  std::vector<at::Tensor> forward(const at::Tensor& emb, const at::Tensor& feature, bool fuse, const at::Tensor& keys,
+                                  const at::Tensor& values, int64_t start, const at::Tensor& cos, const at::Tensor& sin,
+                                  const c10::optional<at::Tensor>& visible, int64_t committed, int64_t logits_from) const;
+  at::Tensor fc;
+  Norm input_norm, hidden_norm, post_norm, final_norm;
+  std::vector<at::Tensor> qkv;
+  at::Tensor o;
+  std::vector<at::Tensor> gate_up;
+  at::Tensor down, lm_head;
+  int64_t heads, kv_heads, head_dim;
+  double scale;
 };
 
 }  // namespace selfdraft

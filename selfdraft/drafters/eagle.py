@@ -27,7 +27,8 @@ from torch import Tensor
 
 from selfdraft.cache import PreallocatedLayer
 from selfdraft.drafters.base import Draft, StepResult
-from selfdraft.kernels import fused_modules, large_products
+from selfdraft.heads.lean_step import lean_step
+from selfdraft.kernels import FUSED_ATTENTION_MAX_QUERIES, fused_modules, large_products
 from selfdraft.sampling import SamplingConfig, draw_without_replacement, logits_to_probs
 from selfdraft.tree import Tree, top_nodes_by_score, tree_from_parents
 
@@ -53,6 +54,7 @@ class EagleDrafter:
         self.kv = PreallocatedLayer(1024)  # the head's one-layer KV cache, grown on demand
         self.committed = 0
         self.pending: tuple[Tensor, Tensor] | None = None
+        self.step = None  # the head's lean step for this propose (selfdraft.heads.lean_step), if it applies
 
     def _take(self, step: StepResult) -> None:
         feats = torch.cat([step.hidden_states[i] for i in self.hidden_layers], -1)[0]  # (k, features)
@@ -72,24 +74,43 @@ class EagleDrafter:
     def update(self, step: StepResult) -> None:
         self._take(step)
 
-    def _run(self, emb: Tensor, feature: Tensor, positions: Tensor, visible_tree: Tensor | None) -> Tensor:
-        """Run the layer on n inputs appended to the cache; returns outputs (n, H).
+    def _run(self, emb: Tensor, feature: Tensor, positions: Tensor, visible_tree: Tensor | None,
+             fuse: bool = False, logits_from: int = 0) -> tuple[Tensor, Tensor]:
+        """Run the layer on n inputs appended to the cache; returns (outputs (n, H), logits of outputs
+        ``logits_from ..``).
 
         visible_tree: (n, n_tree_entries) bool over the tree entries already in the cache after the
-        committed prefix, or None for committed (causal) inputs.
+        committed prefix, or None for committed (causal) inputs. fuse: ``feature`` holds target
+        features for the head's ``fuse`` first.
         """
         n = emb.shape[0]
+        if self.step is not None and n <= FUSED_ATTENTION_MAX_QUERIES:  # the same arithmetic in one kernel call
+            attn = self.head.midlayer.self_attn
+            if not self.kv.is_initialized:
+                like = emb.new_empty(1, attn.num_kv_heads, 0, attn.head_dim)
+                self.kv.lazy_initialization(like, like)
+            self.kv.reserve(n)
+            start = self.kv.length
+            cos, sin = attn.rope(positions)
+            out, logits = self.step.forward(emb, feature, fuse, self.kv.keys, self.kv.values, start, cos, sin,
+                                            visible_tree, self.committed, logits_from)
+            self.kv.length = start + n
+            return out, logits
+        if fuse:
+            feature = self.head.fuse(feature)
         residual, q, k, v = self.head.project(emb[None], feature[None], positions[None])
         start = self.kv.length
         keys, values = self.kv.update(k, v)
         if visible_tree is None and n == 1:  # one committed input sees the whole cache
-            return self.head.complete(residual, q, keys, values, None)[0]
+            out = self.head.complete(residual, q, keys, values, None)[0]
+            return out, self.head.logits(out[logits_from:])
         mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=emb.device)
         if visible_tree is None:  # causal among the new committed inputs
             mask[:, start:] = torch.tril(torch.ones(n, n, dtype=torch.bool, device=emb.device))
         else:
             mask[:, self.committed :] = visible_tree
-        return self.head.complete(residual, q, keys, values, mask[None, None])[0]
+        out = self.head.complete(residual, q, keys, values, mask[None, None])[0]
+        return out, self.head.logits(out[logits_from:])
 
     def children(self, depth: int) -> int:
         """Top-k children per frontier node at loop ``depth`` (0: the root's) of a deterministic tree.
@@ -109,6 +130,7 @@ class EagleDrafter:
 
     def propose(self, tokens: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         backlog = 0 if self.pending is None else self.pending[0].shape[0]  # committed pairs to feed first
+        self.step = lean_step(self.head)  # looked up outside FusedModules (it checks the modules' own forwards)
         with (
             fused_modules(self.head, getattr(self.head, "lm_head", None)),
             large_products(self.param.dtype, self.param.device, backlog),
@@ -138,24 +160,23 @@ class EagleDrafter:
         n = feats.shape[0]
         positions = torch.arange(self.committed, self.committed + n, device=dev)
         emb = head.embed(next_tokens.to(dev)).to(self.param.dtype)
-        out = self._run(emb, head.fuse(feats.to(self.param.dtype)), positions, None)
+        out, logits = self._run(emb, feats.to(self.param.dtype), positions, None, fuse=True, logits_from=n - 1)
         self.committed += n
         last_pos = self.committed - 1
         # 2. expand: node 0 is the root (tokens[-1]); generated nodes follow in order
         parents, node_tokens, scores = [-1], [int(tokens[-1])], [0.0]
-        node_hidden: dict[int, Tensor] = {0: out[-1]}  # output whose logits give a node's children
+        node_hidden: dict[int, Tensor] = {0: out[-1]}  # layer output at a node: its children's feature
         entry_of: list[int] = []  # tree node held by each tree entry in the head cache
         ancestors = [[0]]
         frontier = [0]
         draft_ids = head.draft_ids
         q_rows: dict[int, Tensor] = {}  # node -> q (draft vocabulary) its children were drawn from
-        for d in range(self.depth):
-            h = torch.stack([node_hidden[f] for f in frontier])
+        for d in range(self.depth):  # logits: the frontier's rows, in its order
             if sampling is None:
-                logp = torch.log_softmax(head.logits(h).float(), -1)
+                logp = torch.log_softmax(logits.float(), -1)
                 top_lp, top_i = logp.topk(self.children(d), dim=-1)
             else:
-                q = logits_to_probs(head.logits(h), sampling)
+                q = logits_to_probs(logits, sampling)
                 # draws past the budget would be dropped: draw at most what can still be kept
                 top_i = draw_without_replacement(q, min(self.top_k, self.total_tokens - len(parents) + 1), generator)
                 top_lp = q.gather(1, top_i.clamp(min=0)).log().masked_fill(top_i < 0, float("-inf"))
@@ -187,7 +208,7 @@ class EagleDrafter:
             emb = head.embed(torch.tensor([node_tokens[b] for b in best], device=dev)).to(self.param.dtype)
             feature = torch.stack([node_hidden[parents[b]] for b in best])
             pos = torch.full((len(best),), last_pos + d + 1, device=dev)
-            outs = self._run(emb, feature, pos, visible)
+            outs, logits = self._run(emb, feature, pos, visible)
             for b, o in zip(best, outs):
                 node_hidden[b] = o
             frontier = best
