@@ -109,7 +109,8 @@ def _additive_masks(
 @dataclass
 class ForwardOutput:
     logits: Tensor
-    """(batch, n, vocab) target logits at each input node ((batch, 1, vocab) with last_logits_only)."""
+    """(batch, n, vocab) target logits at each input node ((batch, 1, vocab) with last_logits_only); with
+    argmax_only, -inf where a logit cannot be its row's maximum."""
     hidden_states: dict[int, Tensor] | None
     """(batch, n, hidden) states by requested hidden-state index."""
 
@@ -121,6 +122,7 @@ def tree_forward(
     tree: Tree,
     hidden_layers: tuple[int, ...] = (),
     last_logits_only: bool = False,
+    argmax_only: bool = False,
 ) -> ForwardOutput:
     """One target forward over all tree nodes, appended after the cache's committed prefix.
 
@@ -128,7 +130,9 @@ def tree_forward(
     ``cache.length + node``; call :meth:`SpecCache.compact` afterwards to keep the accepted path.
     ``hidden_layers`` selects hidden states to return (0 = embeddings, i = input of layer i, -1 =
     final normed state). ``last_logits_only`` projects only the last node to the vocabulary (prefill:
-    the lm_head over every prompt position is wasted work).
+    the lm_head over every prompt position is wasted work). ``argmax_only``: only each row's argmax
+    will be used (greedy steps); the lean forward may then screen the lm_head, leaving -inf where a
+    logit cannot be its row's maximum (:mod:`selfdraft.greedy_screen`).
     """
     device = tokens.device
     prefix = cache.length
@@ -144,7 +148,8 @@ def tree_forward(
         return attention_mask(model, visible, positions, key_pos, dtype)
 
     if dtype == torch.bfloat16 and (lean := lean_applies(model, cache, tokens)) is not None:
-        return ForwardOutput(*lean_forward(*lean, cache, tokens, position_ids, tree_mask(), hidden_layers, last_logits_only))
+        return ForwardOutput(*lean_forward(*lean, cache, tokens, position_ids, tree_mask(), hidden_layers, last_logits_only,
+                                           argmax_only))
     # a prompt on an empty cache is plain causal attention: without a mask SDPA skips the hidden half
     # of the scores (2x faster attention at 2,048 tokens) and no (n, n) mask is built. Up to
     # FUSED_ATTENTION_MAX_QUERIES queries keep the mask: the fused attention kernel takes those (bf16)

@@ -207,7 +207,8 @@ def generate(
     # prefill: the prompt (after a reused prefix) as a chain, then the first token from the last position
     t0 = time.perf_counter()
     rest = prompt_ids[reused:]
-    fwd = tree_forward(model, cache, rest[None].to(device), chain_tree(rest.numel() - 1), hidden_layers, True)
+    argmax_only = cfg.sampling.greedy and cfg.acceptance == "exact"  # greedy steps use each row's argmax only
+    fwd = tree_forward(model, cache, rest[None].to(device), chain_tree(rest.numel() - 1), hidden_layers, True, argmax_only)
     first = int(choose(fwd.logits[0, -1], cfg.sampling, generator))
     stats.prefill_s = time.perf_counter() - t0
     stats.reused_tokens = reused
@@ -253,7 +254,7 @@ def generate(
             draft = fit_draft(draft, budget - len(out.tokens))
         t1 = time.perf_counter()
         # 2. verify
-        fwd = tree_forward(model, cache, draft.tokens[None].to(device), draft.tree, hidden_layers)
+        fwd = tree_forward(model, cache, draft.tokens[None].to(device), draft.tree, hidden_layers, argmax_only=argmax_only)
         t2 = time.perf_counter()
         # 3. accept
         acc = accept_draft(draft, fwd.logits[0], cfg, generator)

@@ -63,6 +63,20 @@ def huge_page_region(nbytes: int) -> tuple[mmap.mmap, int]:
     return region, offset
 
 
+def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of CPU tensor ``t`` in huge pages where they apply (for tensors kernels stream
+    on every step, built outside a model's parameters); ``t`` itself elsewhere or when that fails."""
+    if not huge_pages_apply() or t.device.type != "cpu" or t.numel() == 0:
+        return t
+    nbytes = t.numel() * t.element_size()
+    try:
+        region, base = huge_page_region(nbytes)
+    except (OSError, ValueError):
+        return t
+    out = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=base).view(t.dtype).view(t.shape)
+    return out.copy_(t)
+
+
 def move_to_huge_pages(model: nn.Module) -> int:
     """Copy ``model``'s CPU parameters into one region of huge pages (see the module docstring);
     returns the bytes moved (0 where huge pages do not apply or nothing is on the CPU). Parameters

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from selfdraft import kernels
 from selfdraft.cache import PreallocatedLayer, SpecCache
+from selfdraft.greedy_screen import greedy_screen, screened_logits
 from selfdraft.kernels import FUSED_ATTENTION_MAX_QUERIES, FUSED_MAX_ROWS, rms_norm_convention
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
@@ -282,6 +283,7 @@ def lean_forward(
     mask: Tensor | dict[str, Tensor],
     hidden_layers: tuple[int, ...] = (),
     last_logits_only: bool = False,
+    argmax_only: bool = False,
 ) -> tuple[Tensor, dict[int, Tensor] | None]:
     """The model's forward over ``tokens`` (batch, n) at ``position_ids`` (batch, n) with the additive
     bf16 ``mask`` (1, 1, n, cache.length + n), or one per layer type (sliding-window models), writing
@@ -289,7 +291,9 @@ def lean_forward(
 
     Returns (logits (batch, n or 1, vocab) in bf16, {index: hidden state} for ``hidden_layers`` with Hugging
     Face's numbering: 0 the embeddings, i the input of layer i, the number of layers (or -1) the final
-    normed state). ``k`` is the kernel module (:func:`selfdraft.kernels.fused_kernel`).
+    normed state). ``k`` is the kernel module (:func:`selfdraft.kernels.fused_kernel`). With
+    ``argmax_only`` (a greedy step) the logits may be screened (:mod:`selfdraft.greedy_screen`): each
+    row's argmax is the full projection's, values that cannot be a row's maximum are -inf.
     """
     num_layers = len(plan.layers)
     wanted = {i % (num_layers + 1): i for i in hidden_layers}
@@ -319,7 +323,13 @@ def lean_forward(
     x = _rms_norm(k, x, plan.norm)
     if num_layers in wanted:
         hidden[wanted[num_layers]] = x
-    logits = k.bf16_linear(x[:, -1:] if last_logits_only else x, plan.lm_head.weight, plan.lm_head.bias)
-    if plan.logit_softcap is not None:
-        logits = torch.tanh(logits / plan.logit_softcap) * plan.logit_softcap
+    rows = x[:, -1:] if last_logits_only else x
+    screen = None
+    if argmax_only and plan.logit_softcap is None:
+        screen = greedy_screen(plan.lm_head, rows.shape[0] * rows.shape[1])
+    logits = screened_logits(k, screen, rows) if screen is not None else None
+    if logits is None:
+        logits = k.bf16_linear(rows, plan.lm_head.weight, plan.lm_head.bias)
+        if plan.logit_softcap is not None:
+            logits = torch.tanh(logits / plan.logit_softcap) * plan.logit_softcap
     return logits, (hidden if hidden_layers else None)

@@ -90,3 +90,27 @@ def tiny_target_dir(tmp_path_factory):
     tiny_model("llama").save_pretrained(path)
     char_tokenizer().save_pretrained(path)
     return path
+
+
+def kernel_or_skip():
+    """The fused CPU kernel module (selfdraft/csrc), or skip the test where it cannot be built."""
+    from selfdraft.kernels import build_fused_kernel
+
+    kernel = build_fused_kernel()
+    if kernel is None:
+        pytest.skip("the fused bf16 kernels need an x86 CPU with AVX2 and a C++ compiler")
+    return kernel
+
+
+@pytest.fixture(params=["avx2", "avx512_bf16"])
+def product_kernel(request):
+    """The kernel module with bf16 products on one path: AVX2 (widened weights, 8-wide FMAs; every x86
+    CPU the kernel builds on) or AVX512-BF16 (VDPBF16PS; skipped where the CPU lacks it)."""
+    kernel = kernel_or_skip()
+    native = request.param == "avx512_bf16"
+    if native and not kernel.avx512_bf16_available():
+        pytest.skip("this CPU has no AVX512-BF16")
+    before = kernel.set_avx512_bf16(native)
+    assert kernel.avx512_bf16_enabled() == native
+    yield kernel
+    kernel.set_avx512_bf16(before)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, random_prompt, tiny_model
+from conftest import VOCAB, kernel_or_skip, random_prompt, tiny_model
 
 from selfdraft.drafters.eagle import EagleDrafter
 from selfdraft.generate import GenerationConfig, generate
@@ -348,10 +348,7 @@ def test_lean_step_drafts_what_the_head_modules_draft(monkeypatch, options, temp
     """Guards the lean step (selfdraft/heads/lean_step.py, csrc/eagle3_step.cpp): a bf16 head's every
     draft (tree, tokens, scores, q) and the generation are bit-identical to its modules' path under the
     fused kernels, with committed stretches of one and of several pairs and trees up to four deep."""
-    from selfdraft.kernels import build_fused_kernel
-
-    if build_fused_kernel() is None:
-        pytest.skip("the fused bf16 kernels need an x86 CPU with AVX2 and a C++ compiler")
+    kernel_or_skip()
     model = tiny_model("llama", dtype=torch.bfloat16)
     head = make_head(model, scale=20.0).to(torch.bfloat16)
     sampling = SamplingConfig(temperature)
@@ -369,10 +366,7 @@ def test_lean_step_follows_the_head_weights():
     an fp32 head, for another head type and with the kernels switched off."""
     from selfdraft.heads.eagle1 import Eagle1Config, Eagle1Head
     from selfdraft.heads.lean_step import LEAN_STEP_ENV, lean_step
-    from selfdraft.kernels import build_fused_kernel
-
-    if build_fused_kernel() is None:
-        pytest.skip("the fused bf16 kernels need an x86 CPU with AVX2 and a C++ compiler")
+    kernel_or_skip()
     model = tiny_model("llama", dtype=torch.bfloat16)
     head = make_head(model).to(torch.bfloat16)
     step = lean_step(head)

@@ -7,6 +7,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from conftest import kernel_or_skip as fused
 from conftest import random_prompt, tiny_model
 
 import selfdraft.kernels as kernels
@@ -171,27 +172,6 @@ def test_tree_forward_with_other_products_matches_bf16_kernels(monkeypatch, rout
     agree = (eager.argmax(-1) == upcast.argmax(-1)).float().mean().item()
     assert diff <= 0.05 * scale, f"max diff {diff} (logit scale {scale})"
     assert agree >= 0.9, f"argmax agreement {agree}"
-
-
-def fused():
-    kernel = build_fused_kernel()
-    if kernel is None:
-        pytest.skip("the fused bf16 kernel needs an x86 CPU with AVX2 and a C++ compiler")
-    return kernel
-
-
-@pytest.fixture(params=["avx2", "avx512_bf16"])
-def product_kernel(request):
-    """The kernel module with bf16 products on one path: AVX2 (widened weights, 8-wide FMAs; every x86
-    CPU the kernel builds on) or AVX512-BF16 (VDPBF16PS; skipped where the CPU lacks it)."""
-    kernel = fused()
-    native = request.param == "avx512_bf16"
-    if native and not kernel.avx512_bf16_available():
-        pytest.skip("this CPU has no AVX512-BF16")
-    before = kernel.set_avx512_bf16(native)
-    assert kernel.avx512_bf16_enabled() == native
-    yield kernel
-    kernel.set_avx512_bf16(before)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 9, 13, 16, 32])

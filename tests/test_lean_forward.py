@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import kernel_or_skip as kernel
 from conftest import random_prompt, tiny_model
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -12,15 +13,7 @@ import selfdraft.adapter as adapter
 import selfdraft.lean_forward as lean
 from selfdraft import kernels
 from selfdraft.adapter import new_cache, shallow_view, tree_forward
-from selfdraft.kernels import build_fused_kernel
 from selfdraft.tree import chain_tree, tree_from_parents
-
-
-def kernel():
-    k = build_fused_kernel()
-    if k is None:
-        pytest.skip("the fused bf16 kernels need an x86 CPU with AVX2 and a C++ compiler")
-    return k
 
 
 @pytest.mark.parametrize("heads,d", [(4, 8), (9, 64), (3, 2)])

@@ -60,6 +60,15 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
 std::vector<at::Tensor> bf16_linear_many(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                                          const std::vector<c10::optional<at::Tensor>>& biases);
 
+// (x @ q.T) * scale[None] for int8 rows q (n, k) and fp32 row scales, fp32 accumulation and output (int8_linear.cpp).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
+
+// The greedy screen's candidates (selfdraft/greedy_screen.py; int8_linear.cpp): with a = int8_linear(x, q, scale)
+// and B = ||x||_2 * norm_allowance * bound, the indices j (ascending) where a_j + B_j >= max(a - B) - margin *
+// max(|a| + B) in some row of x; empty where anything is not finite.
+at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bound,
+                       double norm_allowance, double margin);
+
 // Whether this compiler has the AVX512-BF16 intrinsics (GCC 10, Clang 9 and later); without them the
 // module builds without that path and every product takes the AVX2 one.
 #if defined(__clang__) ? (__clang_major__ >= 9) : (defined(__GNUC__) && __GNUC__ >= 10)
