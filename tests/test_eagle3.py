@@ -334,7 +334,8 @@ def _drafts_through(monkeypatch, model, head, lean: str, options: dict, sampling
         return run(emb, *a, **k)
 
     drafter.expand, drafter._run = recording_expand, counting_run
-    out = generate(model, random_prompt(9, 4), drafter, GenerationConfig(max_new_tokens=24, sampling=sampling, seed=3))
+    # 20 prompt tokens: the first catch-up (past FUSED_ATTENTION_MAX_QUERIES rows) runs through the modules
+    out = generate(model, random_prompt(20, 4), drafter, GenerationConfig(max_new_tokens=24, sampling=sampling, seed=3))
     return out.tokens, seen, runs["lean"]
 
 
@@ -354,7 +355,7 @@ def test_lean_step_drafts_what_the_head_modules_draft(monkeypatch, options, temp
     sampling = SamplingConfig(temperature)
     tokens_off, off, lean_off = _drafts_through(monkeypatch, model, head, "0", options, sampling)
     tokens_on, on, lean_on = _drafts_through(monkeypatch, model, head, "1", options, sampling)
-    assert lean_off == 0 and lean_on >= len(on) > 3
+    assert lean_off == 0 and lean_on >= len(on) - 1 > 3  # every run but the first catch-up
     assert tokens_on == tokens_off and len(on) == len(off)
     for a, b in zip(on, off):
         assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
