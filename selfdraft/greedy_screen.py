@@ -50,7 +50,9 @@ SCREEN_MAX_ROWS = 2
 lm_head alone (medians of 30, weights out of cache): 1 row 3.1 ms in bf16 against 1.9 ms in int8, 2
 rows 3.6 against 2.9, 3 rows 4.4 against 4.1, 4 rows 4.1 against 4.7; whole decode forwards after
 300 cached tokens, screen off / on: SmolLM2 1 row 18.8 / 18.1 ms, 2 rows 22.7 / 22.9; Gemma-3-270M
-1 row 29.3 / 24.3, 2 rows 34.6 / 33.3 (docs/perf_log.md, thirty-seventh session)."""
+1 row 29.3 / 24.3, 2 rows 34.6 / 33.3; with four accumulator chains per row for 2-3 rows (later that
+session): SmolLM2 2 rows 20.7 / 20.5, 3 rows 22.7 / 23.4, 4 rows 24.5 / 26.1; Gemma-3 2 rows 33.4 /
+30.1, 3 rows 40.2 / 39.1, 4 rows 41.3 / 46.4 (docs/perf_log.md, thirty-seventh session)."""
 SCREEN_MARGIN = 2.0**-6
 """Relative margin of the candidate test, against M = max |a_j| + B_j: above bf16's half-ulp (2^-8) twice."""
 BUILD_ROWS = 4096

@@ -5,7 +5,7 @@
 // bytes it reads (SmolLM2's 49,152 x 576 lm_head is ~23% of a step on the 2-core AVX2 CPU). Each
 // weight row streams once, prefetched ahead like the bf16 kernel's one-stream path
 // (bf16_linear.cpp), its int8 values widened to fp32 in registers and multiplied into one fp32
-// accumulator chain per input row or more (int8_rows); rows past four reuse the weight row from L1. Built into one module with
+// accumulator chains per input row (int8_rows); rows past three reuse the weight row from L1. Built into one module with
 // the other kernels (kernels.h) by selfdraft/kernels.py.
 #include "kernels.h"
 
@@ -23,14 +23,16 @@ inline __m256 load_int8x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// MT input rows (1 to 4) against int8 weight row wr: y[i * n] = scale * dot(x[i, :], wr). Each row
-// sums into four accumulators (one row) or two (every fourth or every second block of 8 into its own): one
-// dependent chain of k / 8 multiply-adds per row would bound a one-row product by the FMA latency
-// (~2.9 ms for SmolLM2's lm_head on the 2-core AVX2 EPYC, against ~1.1 ms to read its int8 bytes).
+// MT input rows (1 to 3) against int8 weight row wr: y[i * n] = scale * dot(x[i, :], wr). Each row
+// sums into four accumulators (every fourth block of 8 into its own): one dependent chain of k / 8
+// multiply-adds per row bounds the product by the FMA latency (SmolLM2's lm_head on the 2-core AVX2
+// EPYC: one row 4.8 ms with one chain, 1.3-1.9 ms with four, ~1.1 ms to read its int8 bytes; two rows
+// with two chains each 2.8-2.9 ms, with four 1.5-2.2 ms; three rows with one chain each 4.1-4.9 ms,
+// with four 1.9-2.3 ms).
 template <int MT>
 inline void int8_rows(const float* x, const int8_t* wr, int64_t k, float scale, float* y, int64_t n) {
-  static_assert(MT >= 1 && MT <= 4, "one to four input rows");
-  constexpr int NA = MT == 1 ? 4 : 2;  // accumulators per row
+  static_assert(MT >= 1 && MT <= 3, "one to three input rows");
+  constexpr int NA = 4;  // accumulators per row
   __m256 acc[MT][NA];
   for (int i = 0; i < MT; ++i)
     for (int a = 0; a < NA; ++a) acc[i][a] = _mm256_setzero_ps();
@@ -63,18 +65,18 @@ void check_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scal
   TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu(), "the int8 products run on the CPU");
 }
 
-// y (m, n) = (x @ q^T) * scale for features [n0, n1), weight rows outermost (rows past four reuse each from L1).
+// y (m, n) = (x @ q^T) * scale for features [n0, n1), weight rows outermost: input rows in passes of at most
+// three (two and two for four), later passes reading the weight row from L1.
 void int8_features(const float* x, int64_t m, const int8_t* q, const float* scale, int64_t n0, int64_t n1, int64_t k,
                    float* y, int64_t n) {
   for (int64_t j = n0; j < n1; ++j) {
     const int8_t* wr = q + j * k;
-    int64_t i = 0;
-    for (; i + 4 <= m; i += 4) int8_rows<4>(x + i * k, wr, k, scale[j], y + i * n + j, n);
-    switch (m - i) {
-      case 3: int8_rows<3>(x + i * k, wr, k, scale[j], y + i * n + j, n); break;
-      case 2: int8_rows<2>(x + i * k, wr, k, scale[j], y + i * n + j, n); break;
-      case 1: int8_rows<1>(x + i * k, wr, k, scale[j], y + i * n + j, n); break;
-      default: break;
+    for (int64_t i = 0; i < m;) {  // passes of three rows (two and two for four left)
+      const int64_t left = m - i, r = left == 4 ? 2 : std::min<int64_t>(3, left);
+      if (r == 3) int8_rows<3>(x + i * k, wr, k, scale[j], y + i * n + j, n);
+      if (r == 2) int8_rows<2>(x + i * k, wr, k, scale[j], y + i * n + j, n);
+      if (r == 1) int8_rows<1>(x + i * k, wr, k, scale[j], y + i * n + j, n);
+      i += r;
     }
   }
 }
