@@ -4,9 +4,9 @@
 // projection read as int8 is half the bytes of bf16, and a one-token decode step is bound by the
 // bytes it reads (SmolLM2's 49,152 x 576 lm_head is ~23% of a step on the 2-core AVX2 CPU). Each
 // weight row streams once, prefetched ahead like the bf16 kernel's one-stream path
-// (bf16_linear.cpp), its int8 values widened to fp32 in registers and multiplied into one fp32
-// accumulator chains per input row (int8_rows); rows past three reuse the weight row from L1. Built into one module with
-// the other kernels (kernels.h) by selfdraft/kernels.py.
+// (bf16_linear.cpp), its int8 values widened to fp32 in registers and multiplied into four fp32
+// accumulator chains per input row (int8_rows); rows past three reuse the weight row from L1. Built
+// into one module with the other kernels (kernels.h) by selfdraft/kernels.py.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
