@@ -71,8 +71,6 @@ class Screen:
     """(V,) fp32 row scales: row j is about scale[j] * q[j]."""
     bound: Tensor
     """(V,) fp32 c_j: |f_j - a_j| <= ||x||_2 c_j."""
-    data_ptr: int
-    """The weight's storage address when built (a moved weight needs a new screen)."""
 
 
 def build_screen(weight: Tensor) -> Screen:
@@ -82,7 +80,7 @@ def build_screen(weight: Tensor) -> Screen:
     the gamma term (2 (k + 2) 2^-24 ||w_j||) covers, and the norms' relative rounding (~k 2^-24) the
     2^-10 allowance."""
     v, k = weight.shape
-    gamma = 2.0 * (k + 2) * 2.0**-24
+    gamma = _gamma(k)
     q = torch.empty(v, k, dtype=torch.int8)
     scale = torch.empty(v, dtype=torch.float32)
     bound = torch.empty(v, dtype=torch.float32)
@@ -95,7 +93,12 @@ def build_screen(weight: Tensor) -> Screen:
         scale[start : start + BUILD_ROWS] = s
         error = (w - rows * s[:, None]).norm(dim=1)
         bound[start : start + BUILD_ROWS] = error + gamma * (s * rows.norm(dim=1) + w.norm(dim=1))
-    return Screen(weight, to_huge_pages(q), scale, bound * (1 + 2.0**-10), weight.data_ptr())
+    return Screen(weight, to_huge_pages(q), scale, bound * (1 + 2.0**-10))
+
+
+def _gamma(k: int) -> float:
+    """Relative allowance for the fp32 rounding of a k-term sum (of products, or of squares for ||x||)."""
+    return 2.0 * (k + 2) * 2.0**-24
 
 
 _SCREENS: weakref.WeakKeyDictionary[nn.Module, Screen] = weakref.WeakKeyDictionary()
@@ -117,7 +120,8 @@ def greedy_screen(lm_head: nn.Module, rows: int) -> Screen | None:
     ):
         return None
     screen = _SCREENS.get(lm_head)
-    if screen is None or screen.data_ptr != weight.data_ptr() or screen.weight.shape != weight.shape:
+    # the screen holds the weight it was built from: a moved weight (``lm_head.to(...)``) is another tensor
+    if screen is None or screen.weight.data_ptr() != weight.data_ptr() or screen.weight.shape != weight.shape:
         screen = _SCREENS[lm_head] = build_screen(weight.detach())
     return screen
 
@@ -126,7 +130,7 @@ def screened_logits(kernel, screen: Screen, x: Tensor) -> Tensor | None:
     """(…, V) bf16 logits of bf16 rows ``x`` (…, k): the full product's values where they may be a
     row's maximum, -inf elsewhere; None where something is not finite (the full product decides then)."""
     rows = x.reshape(-1, x.shape[-1])
-    allowance = 1 + 2.0 * (rows.shape[-1] + 2) * 2.0**-24  # ||x||'s own rounding
+    allowance = 1 + _gamma(rows.shape[-1])  # ||x||'s own rounding
     keep = kernel.int8_screen(rows, screen.q, screen.scale, screen.bound, allowance, SCREEN_MARGIN)
     if keep.numel() == 0:
         return None
