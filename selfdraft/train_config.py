@@ -33,6 +33,8 @@ class TrainConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay")
     warmup_steps: int = opt(20, "linear warmup steps")
     max_steps: int = opt(200, "optimizer steps")
+    max_minutes: float = opt(0.0, "stop after the step that reaches this many minutes of training (0 = no limit); the "
+                             "learning-rate schedule then ends at whichever of max_steps and max_minutes comes first")
     clip: float = opt(1.0, "gradient-norm clipping (0 = off)")
     loss_decay: float = opt(0.8, "weight of medusa head k / eagle3 unrolled step k is loss_decay**k")
     draft_vocab_size: int = opt(8192, "eagle3: reduced draft vocabulary (most frequent trained tokens)")
@@ -72,6 +74,8 @@ class TrainConfig:
                 raise ValueError(f"unknown {name} '{getattr(self, name)}'; choose one of {', '.join(allowed)}")
         if self.max_steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("max_steps, batch_size and grad_accum must be >= 1")
+        if not self.max_minutes >= 0:
+            raise ValueError(f"max_minutes must be >= 0 (0 = no time limit), got {self.max_minutes}")
         if self.extra_samples < 0 or (self.extra_samples and not self.extra_data):
             raise ValueError("extra_samples must be >= 0, and > 0 only with extra_data set (e.g. extra_data=sharegpt)")
 

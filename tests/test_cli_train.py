@@ -144,8 +144,9 @@ def test_main_job_script_trains_tunes_and_reports(tiny_target_dir, data_file, tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "job" / "head" / "tune.json").is_file()
     summary = [line for line in proc.stdout.splitlines() if line.startswith("[main job]")]
-    assert len(summary) == 3 and all(" tau " in s and "x HF generate" in s for s in summary[:2]), proc.stdout[-2000:]
-    assert "min end to end" in summary[2]
+    assert len(summary) == 4 and summary[0].startswith("[main job] head trained 2 steps on "), proc.stdout[-2000:]
+    assert all(" tau " in s and "x HF generate" in s for s in summary[1:3]), proc.stdout[-2000:]
+    assert "min end to end" in summary[3]
     rows = json.loads((tmp_path / "job" / "bench.json").read_text())["results"]
     head = f"head:path={tmp_path / 'job'}/head"
     assert [r["decoder"] for r in rows] == ["hf", "plain", head, f"{head},lookup=10"]

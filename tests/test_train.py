@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import socket
@@ -12,6 +13,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -136,25 +138,79 @@ def failure_report(stderr: str, limit: int = 6000) -> str:
     return f"{head}\n...\n{stderr[-limit // 2 :]}"
 
 
-def test_two_cpu_processes_agree(tiny_target_dir, data_file, tmp_path):
-    """Guards DDP on CPU (gloo): both ranks end with the same head weights and both ranks' states in the
-    checkpoint (rank 0 renamed the checkpoint folder while rank 1 could still be writing into it)."""
+def launch_two_ranks(tiny_target_dir, data_file, out: Path, *options: str) -> subprocess.CompletedProcess:
+    """train.py on two CPU processes (gloo); fails the test unless both ranks end with the same head."""
     # accelerate's own --cpu multi-process launch needs mpirun; torchrun (--multi_gpu) + gloo needs nothing
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--main_process_port", str(free_port()), str(ROOT / "train" / "train.py"),
            f"target={tiny_target_dir}", f"data={data_file}", "max_samples=64", "eval_samples=8", "max_len=64",
-           "batch_size=2", "max_steps=6", "log_every=2", "eval_every=0", "save_every=0", "report_to=none",
-           f"out_dir={tmp_path}"]
+           "batch_size=2", "eval_every=0", "save_every=0", "report_to=none", f"out_dir={out}", *options]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, failure_report(proc.stderr)
     digests = sorted(re.findall(r"head digest ([0-9a-f]{64})", proc.stdout))
     assert "MULTI_CPU x2" in proc.stdout, proc.stdout[-2000:]
     assert len(digests) == 2 and digests[0] == digests[1], proc.stdout[-2000:]
+    return proc
+
+
+def test_two_cpu_processes_agree(tiny_target_dir, data_file, tmp_path):
+    """Guards DDP on CPU (gloo): both ranks end with the same head weights and both ranks' states in the
+    checkpoint (rank 0 renamed the checkpoint folder while rank 1 could still be writing into it), and
+    the learning rate follows the schedule by optimizer steps (accelerate's default stepped it once per
+    rank: on two ranks the cosine reached 0 at step 3 of 6)."""
+    launch_two_ranks(tiny_target_dir, data_file, tmp_path, "max_steps=6", "warmup_steps=2", "log_every=1")
+    cfg = train.TrainConfig(max_steps=6, warmup_steps=2)
+    expected = [cfg.lr * train.lr_lambda(cfg)(step) for step in range(1, 7)]
+    assert [m["lr"] for m in metrics(tmp_path) if "lr" in m] == pytest.approx(expected, rel=1e-6, abs=1e-12)
     # the checkpoint holds each rank's RNG state (a resume on two ranks reads both), nothing half-moved
     ckpts = list((tmp_path / "checkpoints").iterdir())
     assert [c.name for c in ckpts] == ["step-6"], ckpts
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= {f.name for f in ckpts[0].iterdir()}
 
+
+
+def test_two_ranks_stop_together_on_a_time_budget(tiny_target_dir, data_file, tmp_path):
+    """Guards max_minutes under DDP: the ranks agree on the clock (the slowest rank's), so both stop after
+    the same step with the same head; a rank stopping alone would hang the other in its next all-reduce."""
+    proc = launch_two_ranks(tiny_target_dir, data_file, tmp_path, "max_steps=50", "max_minutes=1e-9")
+    assert "[budget] stopped after step 1 of 50" in proc.stdout, proc.stdout[-2000:]
+    assert [c.name for c in (tmp_path / "checkpoints").iterdir()] == ["step-1"]
+
+
+def test_time_budget_ends_the_schedule_and_counts_across_a_resume(tiny_target_dir, data_file, tmp_path, monkeypatch,
+                                                                   capsys):
+    """Guards max_minutes: the cosine ends at whichever of steps and minutes runs out first, a run stops
+    once its minutes are spent, and a resumed run counts the minutes trained before the crash."""
+    cfg = train.TrainConfig(max_steps=100, warmup_steps=10, max_minutes=2.0)
+    clock = SimpleNamespace(progress=lambda: 0.5)
+    f = train.lr_lambda(cfg, clock)
+    assert f(4) == pytest.approx(0.5)  # warmup goes by steps
+    assert f(19) == pytest.approx(0.5)  # half the minutes, a tenth of the steps: the minutes decide
+    assert f(85) == pytest.approx(0.5 * (1 + math.cos(math.pi * 75 / 90)))  # the steps are further along
+    clock.progress = lambda: 1.25
+    assert f(19) == 0.0
+
+    train.main(config(tiny_target_dir, data_file, tmp_path / "short", max_minutes=1e-9))
+    assert "[budget] stopped after step 1 of 30" in capsys.readouterr().out
+    assert (tmp_path / "short" / "head" / "model.safetensors").exists()
+
+    run = config(tiny_target_dir, data_file, tmp_path / "crash", max_steps=12, save_every=4)
+    real_save = train.save_checkpoint
+
+    def save_then_die(acc, out_dir, step, state):
+        real_save(acc, out_dir, step, state)
+        if step == 4:
+            raise KeyboardInterrupt("simulated kill after the step-4 checkpoint")
+
+    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(run)
+    monkeypatch.setattr(train, "save_checkpoint", real_save)
+    trained = json.loads((tmp_path / "crash" / "checkpoints" / "step-4" / "trainer_state.json").read_text())["train_seconds"]
+    assert trained > 0
+    capsys.readouterr()
+    train.main(replace(run, resume=True, max_minutes=trained / 2 / 60))  # spent before the crash: no more steps
+    assert "[budget] stopped after step 4 of 12" in capsys.readouterr().out
 
 dump_spec = importlib.util.spec_from_file_location("dump_script", ROOT / "train" / "dump_features.py")
 dump = importlib.util.module_from_spec(dump_spec)

@@ -206,11 +206,46 @@ def metrics_of(losses: list | dict, accs: list) -> dict:
     return metrics
 
 
-def lr_lambda(cfg: TrainConfig):
+class TrainingClock:
+    """Minutes trained so far, across resumes, as every rank agrees on them (the slowest rank's): with a
+    time budget (``max_minutes``) all ranks stop after the same step and run the same learning rate."""
+
+    def __init__(self, accelerator: Accelerator, budget_minutes: float):
+        self.accelerator = accelerator
+        self.budget = 60.0 * budget_minutes
+        self.carried = self.seconds = 0.0
+        self.started = time.perf_counter()
+
+    def start(self, carried_seconds: float = 0.0) -> None:
+        """Start counting now, after ``carried_seconds`` trained before (a resumed run's)."""
+        self.carried = self.seconds = carried_seconds
+        self.started = time.perf_counter()
+
+    def tick(self) -> None:
+        """Read the clock (after an optimizer step): one small all-reduce per step where a budget is set."""
+        seconds = self.carried + time.perf_counter() - self.started
+        if self.budget and self.accelerator.num_processes > 1:
+            seconds = float(self.accelerator.reduce(torch.tensor([seconds], device=self.accelerator.device), "max"))
+        self.seconds = seconds
+
+    def progress(self) -> float:
+        """Share of the time budget used (0 without one)."""
+        return self.seconds / self.budget if self.budget else 0.0
+
+    @property
+    def expired(self) -> bool:
+        return bool(self.budget) and self.seconds >= self.budget
+
+
+def lr_lambda(cfg: TrainConfig, clock: TrainingClock | None = None):
+    """Linear warmup, then cosine decay to 0 at whichever of max_steps and the clock's budget ends first."""
+
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        if clock is not None:
+            progress = max(progress, clock.progress())
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return f
@@ -322,6 +357,9 @@ def main(cfg: TrainConfig) -> Path:
         # join one gloo group: that is how DDP runs on CPUs without MPI
         cpu=not torch.cuda.is_available(),
         gradient_accumulation_steps=cfg.grad_accum,
+        # the schedule counts optimizer steps: stepped below once per step (accelerate's default steps it
+        # once per process, so under DDP the warmup and decay ran num_processes times too fast)
+        step_scheduler_with_optimizer=False,
         mixed_precision=resolve_mixed_precision(cfg.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu"),
         log_with="wandb" if use_wandb else None,
     )
@@ -360,10 +398,11 @@ def main(cfg: TrainConfig) -> Path:
     accelerator.print(f"[head] {cfg.head}: {n_params / 1e6:.2f}M trainable parameters "
                       f"({100 * n_params / target_params:.1f}% of the target)")
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    clock = TrainingClock(accelerator, cfg.max_minutes)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, clock))
     head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
 
-    step, consumed = 0, 0
+    step, consumed, trained_seconds = 0, 0, 0.0
     if cfg.resume:
         ckpt = latest_checkpoint(out_dir)
         if ckpt is None:
@@ -371,6 +410,7 @@ def main(cfg: TrainConfig) -> Path:
         accelerator.load_state(str(ckpt))
         state = json.loads((ckpt / "trainer_state.json").read_text())
         step, consumed = state["step"], state["micro_batches"]
+        trained_seconds = state.get("train_seconds", 0.0)  # checkpoints from before max_minutes lack it
         accelerator.print(f"[resume] from {ckpt} at step {step}")
     if use_wandb:
         accelerator.init_trackers(cfg.wandb_project, config=asdict(cfg))
@@ -390,9 +430,10 @@ def main(cfg: TrainConfig) -> Path:
         next(stream)  # same data order as an uninterrupted run
     head.train()
     t0, tokens_seen = time.perf_counter(), 0
+    clock.start(trained_seconds)
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", file=sys.stderr,
                disable=quiet() or not accelerator.is_main_process)
-    while step < cfg.max_steps:
+    while step < cfg.max_steps and not clock.expired:
         for _ in range(cfg.grad_accum):
             idx = next(stream)
             batch = collate([train_samples[i] for i in idx], pad_id)
@@ -406,25 +447,30 @@ def main(cfg: TrainConfig) -> Path:
                 if accelerator.sync_gradients and cfg.clip > 0:
                     accelerator.clip_grad_norm_(params, cfg.clip)
                 optimizer.step()
-                scheduler.step()
                 optimizer.zero_grad()
         step += 1
+        clock.tick()
+        scheduler.step()
         bar.update(1)
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
+        last = step == cfg.max_steps or clock.expired
+        if step % cfg.log_every == 0 or last:
             metrics.update(loss=float(loss.detach()), lr=scheduler.get_last_lr()[0], tokens_seen=tokens_seen * accelerator.num_processes)
             accelerator.log(metrics, step=step)
             write_metrics(accelerator, out_dir, step, metrics)
             accelerator.print(f"step {step}/{cfg.max_steps} loss {float(loss.detach()):.4f} tau~{metrics['tau_estimate']:.2f} "
                               f"lr {metrics['lr']:.2e} {time.perf_counter() - t0:.0f}s")
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
+        if cfg.eval_every and step % cfg.eval_every == 0 and not last:
             run_eval(step)
-        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
-            save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed})
+        if cfg.save_every and step % cfg.save_every == 0 and not last:
+            save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed, "train_seconds": clock.seconds})
 
     bar.close()
+    if step < cfg.max_steps:
+        accelerator.print(f"[budget] stopped after step {step} of {cfg.max_steps}: {clock.seconds / 60:.1f} of "
+                          f"max_minutes {cfg.max_minutes:g} trained")
     eval_metrics = run_eval(step)
     accelerator.print("[eval] " + " ".join(f"{k} {v:.3f}" for k, v in sorted(eval_metrics.items())))
-    save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed})
+    save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed, "train_seconds": clock.seconds})
     head_dir = out_dir / "head"
     # one write with its newline: every rank prints this line to a shared stdout
     digest = weights_digest(accelerator.unwrap_model(head))
