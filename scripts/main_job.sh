@@ -50,8 +50,8 @@ START=$(date +%s)
 "$PYTHON" - "$OUT/bench.json" "$START" "$OUT/metrics.jsonl" <<'PY'
 import json, sys, time
 rows = json.load(open(sys.argv[1]))["results"]
-logged = [json.loads(line) for line in open(sys.argv[3])]
-print(f"[main job] head trained {logged[-1]['step']} steps on {max(m.get('tokens_seen', 0) for m in logged)} tokens")
+last = [json.loads(line) for line in open(sys.argv[3]) if '"tokens_seen"' in line][-1]  # this run's last step
+print(f"[main job] head trained {last['step']} steps on {last['tokens_seen']} tokens")
 hf = next(r for r in rows if r["decoder"] == "hf")
 for r in rows:
     if r["decoder"].startswith("head:"):
