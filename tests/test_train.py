@@ -84,22 +84,27 @@ def test_heads_train_in_fp32_on_a_bf16_target(tiny_target_dir, data_file, tmp_pa
     assert rows and all(r["loss"] == r["loss"] for r in rows)  # trained, finite
 
 
+def crash_after_checkpoint(cfg, at_step: int, monkeypatch) -> None:
+    """Run ``cfg`` until it is killed right after writing its step-``at_step`` checkpoint."""
+    real_save = train.save_checkpoint
+
+    def save_then_die(acc, out_dir, step, state):
+        real_save(acc, out_dir, step, state)
+        if step == at_step:
+            raise KeyboardInterrupt(f"simulated kill after the step-{at_step} checkpoint")
+
+    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(cfg)
+    monkeypatch.setattr(train, "save_checkpoint", real_save)
+
+
 def test_resume_after_crash_equals_uninterrupted(tiny_target_dir, data_file, tmp_path, monkeypatch):
     """Guards resume: same data order, optimizer and schedule, so the final head is identical."""
     full = config(tiny_target_dir, data_file, tmp_path / "full", max_steps=12, save_every=6)
     train.main(full)
     crashed = replace(full, out_dir=str(tmp_path / "crash"))
-    real_save = train.save_checkpoint
-
-    def save_then_die(acc, out_dir, step, state):
-        real_save(acc, out_dir, step, state)
-        if step == 6:
-            raise KeyboardInterrupt("simulated kill after the step-6 checkpoint")
-
-    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(crashed)
-    monkeypatch.setattr(train, "save_checkpoint", real_save)
+    crash_after_checkpoint(crashed, 6, monkeypatch)
     train.main(replace(crashed, resume=True))
     a = (tmp_path / "full" / "head" / "model.safetensors").read_bytes()
     b = (tmp_path / "crash" / "head" / "model.safetensors").read_bytes()
@@ -195,17 +200,7 @@ def test_time_budget_ends_the_schedule_and_counts_across_a_resume(tiny_target_di
     assert (tmp_path / "short" / "head" / "model.safetensors").exists()
 
     run = config(tiny_target_dir, data_file, tmp_path / "crash", max_steps=12, save_every=4)
-    real_save = train.save_checkpoint
-
-    def save_then_die(acc, out_dir, step, state):
-        real_save(acc, out_dir, step, state)
-        if step == 4:
-            raise KeyboardInterrupt("simulated kill after the step-4 checkpoint")
-
-    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(run)
-    monkeypatch.setattr(train, "save_checkpoint", real_save)
+    crash_after_checkpoint(run, 4, monkeypatch)
     trained = json.loads((tmp_path / "crash" / "checkpoints" / "step-4" / "trainer_state.json").read_text())["train_seconds"]
     assert trained > 0
     capsys.readouterr()
