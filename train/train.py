@@ -213,17 +213,17 @@ class TrainingClock:
     def __init__(self, accelerator: Accelerator, budget_minutes: float):
         self.accelerator = accelerator
         self.budget = 60.0 * budget_minutes
-        self.carried = self.seconds = 0.0
-        self.started = time.perf_counter()
+        self.seconds = 0.0
+        self.origin = time.perf_counter()  # when training would have started, had it never stopped
 
     def start(self, carried_seconds: float = 0.0) -> None:
         """Start counting now, after ``carried_seconds`` trained before (a resumed run's)."""
-        self.carried = self.seconds = carried_seconds
-        self.started = time.perf_counter()
+        self.seconds = carried_seconds
+        self.origin = time.perf_counter() - carried_seconds
 
     def tick(self) -> None:
         """Read the clock (after an optimizer step): one small all-reduce per step where a budget is set."""
-        seconds = self.carried + time.perf_counter() - self.started
+        seconds = time.perf_counter() - self.origin
         if self.budget and self.accelerator.num_processes > 1:
             seconds = float(self.accelerator.reduce(torch.tensor([seconds], device=self.accelerator.device), "max"))
         self.seconds = seconds
@@ -428,6 +428,10 @@ def main(cfg: TrainConfig) -> Path:
     stream = batch_order(len(train_samples), cfg.batch_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
     for _ in range(consumed):
         next(stream)  # same data order as an uninterrupted run
+    def trainer_state() -> dict:
+        """What a resume reads back besides accelerate's state (trainer_state.json)."""
+        return {"step": step, "micro_batches": consumed, "train_seconds": clock.seconds}
+
     head.train()
     t0, tokens_seen = time.perf_counter(), 0
     clock.start(trained_seconds)
@@ -462,7 +466,7 @@ def main(cfg: TrainConfig) -> Path:
         if cfg.eval_every and step % cfg.eval_every == 0 and not last:
             run_eval(step)
         if cfg.save_every and step % cfg.save_every == 0 and not last:
-            save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed, "train_seconds": clock.seconds})
+            save_checkpoint(accelerator, out_dir, step, trainer_state())
 
     bar.close()
     if step < cfg.max_steps:
@@ -470,7 +474,7 @@ def main(cfg: TrainConfig) -> Path:
                           f"max_minutes {cfg.max_minutes:g} trained")
     eval_metrics = run_eval(step)
     accelerator.print("[eval] " + " ".join(f"{k} {v:.3f}" for k, v in sorted(eval_metrics.items())))
-    save_checkpoint(accelerator, out_dir, step, {"step": step, "micro_batches": consumed, "train_seconds": clock.seconds})
+    save_checkpoint(accelerator, out_dir, step, trainer_state())
     head_dir = out_dir / "head"
     # one write with its newline: every rank prints this line to a shared stdout
     digest = weights_digest(accelerator.unwrap_model(head))
