@@ -8,12 +8,15 @@
   probability min(1, p(x_i) / q_i(x_i)); on rejection p <- norm(max(0, p - q_i)) and x_i is removed
   from q. When every child is rejected, the next token is drawn from the residual p; when a leaf is
   reached, a bonus token is drawn from p at the leaf. A deterministic drafter is the case q = one-hot.
+* :func:`accept_matching` - the same rule for deterministic drafts, by drawing y ~ p at each node and
+  following the child whose token is y: the same distribution, from draws alone.
 * :func:`accept_typical` - Medusa's typical acceptance. **Lossy**: fast, but the output distribution
   is *not* the target's. Opt-in only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +114,31 @@ def accept_sampling(
             return Acceptance(torch.tensor(path), int(sample(p, generator)))
         path.append(accepted)
         node = accepted
+
+
+def accept_matching(tree: Tree, tokens: Tensor, draw: Callable[[int], int]) -> Acceptance:
+    """Lossless verification of a deterministic draft (q one-hot at every node) by drawing: at each node
+    y ~ p (``draw(node)``); the child whose token is y is accepted and the walk goes on from it, else y
+    is the next token (at a leaf, the bonus).
+
+    The same distribution as :func:`accept_sampling` with ``draft_probs=None``: there child x_i is
+    accepted with probability p(x_i) / (1 - sum of its elder siblings' p), after each of them was
+    rejected, i.e. with overall probability p(x_i) (a repeated token's later copies never), and once
+    every child is rejected the next token follows p without the children, renormalised: y ~ p given
+    the branch it falls in. One draw per node visited, and only those rows' distributions are needed
+    (:mod:`selfdraft.screened_draws` draws without the whole vocabulary projection).
+    """
+    children = tree.children()
+    token_list = tokens.tolist()
+    node = 0
+    path = [0]
+    while True:
+        y = draw(node)
+        child = next((c for c in children[node] if token_list[c] == y), None)
+        if child is None:
+            return Acceptance(torch.tensor(path), y)
+        path.append(child)
+        node = child
 
 
 def accept_typical(

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from selfdraft.cache import RaggedCache, SpecCache
 from selfdraft.kernels import FUSED_ATTENTION_MAX_QUERIES, forward_products
 from selfdraft.lean_forward import lean_applies, lean_forward
+from selfdraft.screened_draws import ScreenedDraws
 from selfdraft.tree import Tree
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
@@ -108,11 +109,13 @@ def _additive_masks(
 
 @dataclass
 class ForwardOutput:
-    logits: Tensor
+    logits: Tensor | None
     """(batch, n, vocab) target logits at each input node ((batch, 1, vocab) with last_logits_only); with
-    argmax_only, -inf where a logit cannot be its row's maximum."""
+    argmax_only, -inf where a logit cannot be its row's maximum; None where ``draws`` stands in for them."""
     hidden_states: dict[int, Tensor] | None
     """(batch, n, hidden) states by requested hidden-state index."""
+    draws: ScreenedDraws | None = None
+    """With draw_temperature, possibly: draws from each row's softmax(logits / T) (rows in batch-major order)."""
 
 
 def tree_forward(
@@ -123,6 +126,7 @@ def tree_forward(
     hidden_layers: tuple[int, ...] = (),
     last_logits_only: bool = False,
     argmax_only: bool = False,
+    draw_temperature: float = 0.0,
 ) -> ForwardOutput:
     """One target forward over all tree nodes, appended after the cache's committed prefix.
 
@@ -132,7 +136,9 @@ def tree_forward(
     final normed state). ``last_logits_only`` projects only the last node to the vocabulary (prefill:
     the lm_head over every prompt position is wasted work). ``argmax_only``: only each row's argmax
     will be used (greedy steps); the lean forward may then screen the lm_head, leaving -inf where a
-    logit cannot be its row's maximum (:mod:`selfdraft.greedy_screen`).
+    logit cannot be its row's maximum (:mod:`selfdraft.greedy_screen`). ``draw_temperature`` T > 0: each
+    row will only be drawn from at softmax(logits / T) (no top-k, top-p); the lean forward may then
+    return ``draws`` instead of logits (:mod:`selfdraft.screened_draws`).
     """
     device = tokens.device
     prefix = cache.length
@@ -149,7 +155,7 @@ def tree_forward(
 
     if dtype == torch.bfloat16 and (lean := lean_applies(model, cache, tokens)) is not None:
         return ForwardOutput(*lean_forward(*lean, cache, tokens, position_ids, tree_mask(), hidden_layers, last_logits_only,
-                                           argmax_only))
+                                           argmax_only, draw_temperature))
     # a prompt on an empty cache is plain causal attention: without a mask SDPA skips the hidden half
     # of the scores (2x faster attention at 2,048 tokens) and no (n, n) mask is built. Up to
     # FUSED_ATTENTION_MAX_QUERIES queries keep the mask: the fused attention kernel takes those (bf16)

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from selfdraft.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
+from selfdraft.acceptance import Acceptance, accept_greedy, accept_matching, accept_sampling, accept_typical
 from selfdraft.adapter import new_cache, tree_forward
 from selfdraft.drafters.base import Draft, Drafter, StepResult, root_only
 from selfdraft.gate import ShadowDraft, SpeculationGate
 from selfdraft.prefix_cache import PrefixCache
 from selfdraft.sampling import GREEDY, SamplingConfig, choose, logits_to_probs
+from selfdraft.screened_draws import ScreenedDraws, drawable
 from selfdraft.stats import GenerationStats
 from selfdraft.tree import chain_tree, truncate_depth
 
@@ -126,16 +127,25 @@ def fit_draft(draft: Draft, remaining: int) -> Draft:
 
 
 def accept_draft(
-    draft: Draft, logits: Tensor, cfg: GenerationConfig, generator: torch.Generator | None
+    draft: Draft,
+    logits: Tensor | None,
+    cfg: GenerationConfig,
+    generator: torch.Generator | None,
+    draws: ScreenedDraws | None = None,
 ) -> Acceptance:
-    """Apply the configured rule; the small (n, V) distributions move to the CPU, where the tree lives."""
+    """Apply the configured rule to the (n, V) ``logits`` at the draft's nodes, or to their ``draws``
+    (:mod:`selfdraft.screened_draws`; deterministic drafts at a temperature); the small (n, V)
+    distributions move to the CPU, where the tree lives."""
     if cfg.acceptance == "typical":
         probs = logits_to_probs(logits, cfg.sampling if not cfg.sampling.greedy else SamplingConfig(1.0)).cpu()
         return accept_typical(draft.tree, draft.tokens, probs, cfg.typical_threshold, cfg.typical_alpha, generator)
     if cfg.sampling.greedy:
         return accept_greedy(draft.tree, draft.tokens, logits)
-    q = draft.q.cpu() if draft.q is not None else None
-    return accept_sampling(draft.tree, draft.tokens, logits_to_probs(logits, cfg.sampling).cpu(), q, generator)
+    if draft.q is None:  # deterministic: draws from p at the nodes visited decide (accept_matching)
+        if draws is not None:
+            return accept_matching(draft.tree, draft.tokens, lambda node: draws.draw(node, generator))
+        return accept_matching(draft.tree, draft.tokens, lambda node: int(choose(logits[node].cpu(), cfg.sampling, generator)))
+    return accept_sampling(draft.tree, draft.tokens, logits_to_probs(logits, cfg.sampling).cpu(), draft.q.cpu(), generator)
 
 
 @torch.inference_mode()
@@ -208,8 +218,11 @@ def generate(
     t0 = time.perf_counter()
     rest = prompt_ids[reused:]
     argmax_only = cfg.sampling.greedy and cfg.acceptance == "exact"  # greedy steps use each row's argmax only
-    fwd = tree_forward(model, cache, rest[None].to(device), chain_tree(rest.numel() - 1), hidden_layers, True, argmax_only)
-    first = int(choose(fwd.logits[0, -1], cfg.sampling, generator))
+    # steps verifying a deterministic draft at a temperature only draw from each row's softmax (accept_matching)
+    draw_temperature = cfg.sampling.temperature if cfg.acceptance == "exact" and drawable(cfg.sampling) else 0.0
+    fwd = tree_forward(model, cache, rest[None].to(device), chain_tree(rest.numel() - 1), hidden_layers, True, argmax_only,
+                       draw_temperature)
+    first = fwd.draws.draw(0, generator) if fwd.draws is not None else int(choose(fwd.logits[0, -1], cfg.sampling, generator))
     stats.prefill_s = time.perf_counter() - t0
     stats.reused_tokens = reused
     prompt_hidden = fwd.hidden_states
@@ -254,10 +267,11 @@ def generate(
             draft = fit_draft(draft, budget - len(out.tokens))
         t1 = time.perf_counter()
         # 2. verify
-        fwd = tree_forward(model, cache, draft.tokens[None].to(device), draft.tree, hidden_layers, argmax_only=argmax_only)
+        fwd = tree_forward(model, cache, draft.tokens[None].to(device), draft.tree, hidden_layers, argmax_only=argmax_only,
+                           draw_temperature=draw_temperature if draft.q is None else 0.0)
         t2 = time.perf_counter()
         # 3. accept
-        acc = accept_draft(draft, fwd.logits[0], cfg, generator)
+        acc = accept_draft(draft, fwd.logits[0] if fwd.logits is not None else None, cfg, generator, fwd.draws)
         # 4. update cache: keep the root and the accepted nodes, in order
         cache.compact(prefix, acc.path.to(device))
         accepted = draft.tokens[acc.path[1:]].tolist()

@@ -27,8 +27,9 @@ decode steps: SmolLM2 one token 18.8 -> 18.1 ms, Gemma-3-270M 29.3 -> 24.3 ms (p
 Only for greedy steps with exact acceptance (sampling and typical acceptance need the whole
 distribution), projections without bias or logit soft-capping, and products of at most
 :data:`SCREEN_MAX_ROWS` rows (past that the int8 product's conversions cost more than the bytes
-saved). ``SELFDRAFT_GREEDY_SCREEN=0`` turns it off; the int8 copy costs half the projection's bytes
-of memory (28 MB for SmolLM2, 168 MB for Gemma-3-270M), built on the first greedy step.
+saved). Draws at a temperature use the same copy (:mod:`selfdraft.screened_draws`).
+``SELFDRAFT_GREEDY_SCREEN=0`` turns both off; the int8 copy costs half the projection's bytes
+of memory (28 MB for SmolLM2, 168 MB for Gemma-3-270M), built on the first step it serves.
 """
 
 from __future__ import annotations
@@ -101,12 +102,17 @@ def _gamma(k: int) -> float:
     return 2.0 * (k + 2) * 2.0**-24
 
 
+def norm_allowance(k: int) -> float:
+    """Factor raising a computed ||x||_2 of k terms above the exact one (its own rounding)."""
+    return 1 + _gamma(k)
+
+
 _SCREENS: weakref.WeakKeyDictionary[nn.Module, Screen] = weakref.WeakKeyDictionary()
 
 
-def greedy_screen(lm_head: nn.Module, rows: int) -> Screen | None:
+def lm_head_screen(lm_head: nn.Module, rows: int) -> Screen | None:
     """The screen of ``lm_head`` (built on first use, rebuilt when its weight moves) for a greedy
-    product of ``rows`` input rows, or None where the full product must run (see the module
+    product of ``rows`` input rows or their draws (:mod:`selfdraft.screened_draws`), or None where the full product must run (see the module
     docstring)."""
     if rows > SCREEN_MAX_ROWS or os.environ.get(SCREEN_ENV, "1") == "0":
         return None
@@ -130,8 +136,7 @@ def screened_logits(kernel, screen: Screen, x: Tensor) -> Tensor | None:
     """(…, V) bf16 logits of bf16 rows ``x`` (…, k): the full product's values where they may be a
     row's maximum, -inf elsewhere; None where something is not finite (the full product decides then)."""
     rows = x.reshape(-1, x.shape[-1])
-    allowance = 1 + _gamma(rows.shape[-1])  # ||x||'s own rounding
-    keep = kernel.int8_screen(rows, screen.q, screen.scale, screen.bound, allowance, SCREEN_MARGIN)
+    keep = kernel.int8_screen(rows, screen.q, screen.scale, screen.bound, norm_allowance(rows.shape[-1]), SCREEN_MARGIN)
     if keep.numel() == 0:
         return None
     exact = kernel.bf16_linear(rows, screen.weight.index_select(0, keep), None)  # (m, kept)

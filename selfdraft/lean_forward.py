@@ -37,8 +37,9 @@ from torch import Tensor, nn
 
 from selfdraft import kernels
 from selfdraft.cache import PreallocatedLayer, SpecCache
-from selfdraft.greedy_screen import greedy_screen, screened_logits
+from selfdraft.greedy_screen import lm_head_screen, screened_logits
 from selfdraft.kernels import FUSED_ATTENTION_MAX_QUERIES, FUSED_MAX_ROWS, rms_norm_convention
+from selfdraft.screened_draws import ScreenedDraws, screened_draws
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
 LEAN_MAX_ROWS_NATIVE = 16
@@ -284,16 +285,20 @@ def lean_forward(
     hidden_layers: tuple[int, ...] = (),
     last_logits_only: bool = False,
     argmax_only: bool = False,
-) -> tuple[Tensor, dict[int, Tensor] | None]:
+    draw_temperature: float = 0.0,
+) -> tuple[Tensor | None, dict[int, Tensor] | None, ScreenedDraws | None]:
     """The model's forward over ``tokens`` (batch, n) at ``position_ids`` (batch, n) with the additive
     bf16 ``mask`` (1, 1, n, cache.length + n), or one per layer type (sliding-window models), writing
     K/V into ``cache``.
 
     Returns (logits (batch, n or 1, vocab) in bf16, {index: hidden state} for ``hidden_layers`` with Hugging
     Face's numbering: 0 the embeddings, i the input of layer i, the number of layers (or -1) the final
-    normed state). ``k`` is the kernel module (:func:`selfdraft.kernels.fused_kernel`). With
+    normed state, draws). ``k`` is the kernel module (:func:`selfdraft.kernels.fused_kernel`). With
     ``argmax_only`` (a greedy step) the logits may be screened (:mod:`selfdraft.greedy_screen`): each
-    row's argmax is the full projection's, values that cannot be a row's maximum are -inf.
+    row's argmax is the full projection's, values that cannot be a row's maximum are -inf. With
+    ``draw_temperature`` T > 0 (a step that only draws from softmax(logits / T)) the projection may be
+    screened for draws instead (:mod:`selfdraft.screened_draws`): logits None, draws the rows' sampler
+    (rows in batch-major order); otherwise draws is None.
     """
     num_layers = len(plan.layers)
     wanted = {i % (num_layers + 1): i for i in hidden_layers}
@@ -324,12 +329,17 @@ def lean_forward(
     if num_layers in wanted:
         hidden[wanted[num_layers]] = x
     rows = x[:, -1:] if last_logits_only else x
+    hidden = hidden if hidden_layers else None
     screen = None
-    if argmax_only and plan.logit_softcap is None:
-        screen = greedy_screen(plan.lm_head, rows.shape[0] * rows.shape[1])
-    logits = screened_logits(k, screen, rows) if screen is not None else None
+    if (argmax_only or draw_temperature > 0) and plan.logit_softcap is None:
+        screen = lm_head_screen(plan.lm_head, rows.shape[0] * rows.shape[1])
+    if screen is not None and draw_temperature > 0:
+        draws = screened_draws(k, screen, rows, draw_temperature)
+        if draws is not None:
+            return None, hidden, draws
+    logits = screened_logits(k, screen, rows) if screen is not None and argmax_only else None
     if logits is None:
         logits = k.bf16_linear(rows, plan.lm_head.weight, plan.lm_head.bias)
         if plan.logit_softcap is not None:
             logits = torch.tanh(logits / plan.logit_softcap) * plan.logit_softcap
-    return logits, (hidden if hidden_layers else None)
+    return logits, hidden, None

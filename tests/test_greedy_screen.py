@@ -82,7 +82,7 @@ def test_screened_argmax_is_the_full_products(rows, product_kernel):
 
 def test_screen_declines_what_it_cannot_decide():
     """Guards the fallbacks: non-finite input or weights give None (the full product decides), and
-    greedy_screen applies to bias-free bf16 projections of at most SCREEN_MAX_ROWS rows only, and is
+    lm_head_screen applies to bias-free bf16 projections of at most SCREEN_MAX_ROWS rows only, and is
     rebuilt when the weight moves."""
     kernel = kernel_or_skip()
     w = weights(256, 32, 0)
@@ -92,21 +92,21 @@ def test_screen_declines_what_it_cannot_decide():
     bad[5, 0] = float("nan")
     assert gs.screened_logits(kernel, gs.build_screen(bad), x) is None
     head = torch.nn.Linear(32, 256, bias=False).bfloat16()
-    first = gs.greedy_screen(head, 1)
-    assert first is not None and gs.greedy_screen(head, gs.SCREEN_MAX_ROWS) is first
-    assert gs.greedy_screen(head, gs.SCREEN_MAX_ROWS + 1) is None
+    first = gs.lm_head_screen(head, 1)
+    assert first is not None and gs.lm_head_screen(head, gs.SCREEN_MAX_ROWS) is first
+    assert gs.lm_head_screen(head, gs.SCREEN_MAX_ROWS + 1) is None
     head.float()
-    assert gs.greedy_screen(head, 1) is None
+    assert gs.lm_head_screen(head, 1) is None
     head.bfloat16()
-    assert gs.greedy_screen(head, 1) not in (None, first)
-    assert gs.greedy_screen(torch.nn.Linear(32, 256, bias=True).bfloat16(), 1) is None
+    assert gs.lm_head_screen(head, 1) not in (None, first)
+    assert gs.lm_head_screen(torch.nn.Linear(32, 256, bias=True).bfloat16(), 1) is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_greedy_generation_is_unchanged_by_the_screen(monkeypatch, arch):
     """Guards the screen's use in the decode loop: bf16 greedy generation, plain and with prompt
-    lookup, gives the same tokens with the screen on and off, and the screen took steps; sampling
-    never uses it."""
+    lookup, gives the same tokens with the screen on and off, and the screen took steps; sampled steps
+    never take its argmax path (they draw: tests/test_screened_draws.py)."""
     kernel_or_skip()
     model = tiny_model(arch, dtype=torch.bfloat16)
     calls = {"n": 0}

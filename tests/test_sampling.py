@@ -10,7 +10,7 @@ from conftest import VOCAB, random_prompt, tiny_model
 from scipy.stats import chisquare
 from test_eagle3 import make_head
 
-from selfdraft.acceptance import accept_sampling, accept_typical
+from selfdraft.acceptance import accept_matching, accept_sampling, accept_typical
 from selfdraft.drafters import DraftModelDrafter, MergedDrafter, PromptLookupDrafter, layer_skip_drafter
 from selfdraft.drafters.eagle import EagleDrafter
 from selfdraft.generate import GenerationConfig, generate
@@ -48,8 +48,9 @@ def draw_without_replacement(q: torch.Tensor, k: int, g: torch.Generator) -> lis
     return out
 
 
-def two_token_joint(branching: tuple[int, int], deterministic: bool, draws: int, seed: int):
-    """Sample (x1, x2) through tree rejection sampling; return (counts (V*V,), exact joint (V*V,))."""
+def two_token_joint(branching: tuple[int, int], deterministic: bool, draws: int, seed: int, matching: bool = False):
+    """Sample (x1, x2) through tree rejection sampling (``matching``: deterministic drafts through
+    accept_matching); return (counts (V*V,), exact joint (V*V,))."""
     g = torch.Generator().manual_seed(seed)
     p_root = dirichlet(g, 1)[0]
     p_next = dirichlet(g, V)  # target distribution of x2 given x1
@@ -71,7 +72,10 @@ def two_token_joint(branching: tuple[int, int], deterministic: bool, draws: int,
         draft_q = None
         if not deterministic:
             draft_q = torch.stack([q_root] + [q_next[t] for t in tokens[1:].tolist()])
-        acc = accept_sampling(tree, tokens, target, draft_q, g)
+        if matching:
+            acc = accept_matching(tree, tokens, lambda node, p=target: int(torch.multinomial(p[node], 1, generator=g)))
+        else:
+            acc = accept_sampling(tree, tokens, target, draft_q, g)
         seq = tokens[acc.path[1:]].tolist() + [acc.next_token]
         if len(seq) == 1:  # rejected at depth 1: x2 comes from the next (plain) step
             seq.append(int(torch.multinomial(p_next[seq[0]], 1, generator=g)))
@@ -81,13 +85,16 @@ def two_token_joint(branching: tuple[int, int], deterministic: bool, draws: int,
 
 
 @pytest.mark.parametrize(
-    "branching,deterministic",
-    [((1, 1), False), ((3, 2), False), ((4, 3), False), ((3, 2), True)],
-    ids=["chain", "tree3x2", "tree4x3", "tree3x2-deterministic"],
+    "branching,deterministic,matching",
+    [((1, 1), False, False), ((3, 2), False, False), ((4, 3), False, False), ((3, 2), True, False),
+     ((1, 1), True, True), ((3, 2), True, True)],
+    ids=["chain", "tree3x2", "tree4x3", "tree3x2-deterministic", "chain-matching", "tree3x2-matching"],
 )
-def test_tree_rejection_sampling_is_lossless(branching, deterministic):
-    """Guards the recursive rejection rule (residual, sibling removal, bonus) against any bias."""
-    counts, exact = two_token_joint(branching, deterministic, draws=20000, seed=sum(branching) + deterministic)
+def test_tree_rejection_sampling_is_lossless(branching, deterministic, matching):
+    """Guards the recursive rejection rule (residual, sibling removal, bonus) and its form for
+    deterministic drafts (accept_matching) against any bias."""
+    counts, exact = two_token_joint(branching, deterministic, draws=20000, seed=sum(branching) + deterministic + matching,
+                                    matching=matching)
     pval = chi2_pvalue(counts, exact)
     tv = 0.5 * (counts / counts.sum() - exact).abs().sum().item()
     assert pval > P_MIN, f"joint of (x1, x2) differs from p: chi2 p={pval:.2e}, TV={tv:.4f}"

@@ -17,6 +17,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "norm_allowance * bound; empty where anything is not finite",
         pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("bound"),
         pybind11::arg("norm_allowance"), pybind11::arg("margin"));
+  m.def("int8_upper", &selfdraft::int8_upper,
+        "(m, n) fp32 U = a + B + rounding * (|a| + B) with a = (x @ q.T) * scale and B = ||x|| * norm_allowance * bound; "
+        "empty where anything is not finite",
+        pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("bound"),
+        pybind11::arg("norm_allowance"), pybind11::arg("rounding"));
   m.def("avx512_bf16_available", &selfdraft::avx512_bf16_available,
         "whether this CPU runs AVX512-BF16 (bf16 products then use VDPBF16PS)");
   m.def("avx512_bf16_enabled", &selfdraft::avx512_bf16_enabled,

@@ -5,8 +5,10 @@
 // bytes it reads (SmolLM2's 49,152 x 576 lm_head is ~23% of a step on the 2-core AVX2 CPU). Each
 // weight row streams once, prefetched ahead like the bf16 kernel's one-stream path
 // (bf16_linear.cpp), its int8 values widened to fp32 in registers and multiplied into four fp32
-// accumulator chains per input row (int8_rows); rows past three reuse the weight row from L1. Built
-// into one module with the other kernels (kernels.h) by selfdraft/kernels.py.
+// accumulator chains per input row (int8_rows); rows past three reuse the weight row from L1.
+// int8_upper turns the same pass into upper bounds on every bf16 logit, for draws at a temperature
+// (selfdraft/screened_draws.py). Built into one module with the other kernels (kernels.h) by
+// selfdraft/kernels.py.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -65,6 +67,24 @@ void check_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scal
   TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu(), "the int8 products run on the CPU");
 }
 
+void check_bounded(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bound) {
+  check_int8(x, q, scale);
+  TORCH_CHECK(bound.scalar_type() == at::kFloat && bound.dim() == 1 && bound.size(0) == q.size(0) && bound.is_contiguous(),
+              "bound must be a contiguous float32 vector with one entry per row of q");
+}
+
+// ||x_i||_2 * allowance for each of the m rows of x (m, k), summed in double; finite turns false where one is not.
+std::vector<float> row_norms(const float* x, int64_t m, int64_t k, double allowance, bool& finite) {
+  std::vector<float> norm(m);
+  for (int64_t i = 0; i < m; ++i) {
+    double s = 0;
+    for (int64_t t = 0; t < k; ++t) s += double(x[i * k + t]) * x[i * k + t];
+    norm[i] = static_cast<float>(std::sqrt(s) * allowance);
+    finite = finite && std::isfinite(norm[i]);
+  }
+  return norm;
+}
+
 // y (m, n) = (x @ q^T) * scale for features [n0, n1), weight rows outermost: input rows in passes of at most
 // three (two and two for four), later passes reading the weight row from L1.
 void int8_features(const float* x, int64_t m, const int8_t* q, const float* scale, int64_t n0, int64_t n1, int64_t k,
@@ -99,20 +119,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 
 at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bound,
                        double norm_allowance, double margin) {
-  check_int8(x, q, scale);
-  TORCH_CHECK(bound.scalar_type() == at::kFloat && bound.dim() == 1 && bound.size(0) == q.size(0) && bound.is_contiguous(),
-              "bound must be a contiguous float32 vector with one entry per row of q");
+  check_bounded(x, q, scale, bound);
   const int64_t k = q.size(1), n = q.size(0), m = k == 0 ? 0 : x.numel() / k;
   const at::Tensor x32 = x.to(at::kFloat).reshape({m, k}).contiguous();
   const float* xp = x32.data_ptr<float>();
-  std::vector<float> norm(m);
   bool finite = true;
-  for (int64_t i = 0; i < m; ++i) {
-    double s = 0;
-    for (int64_t t = 0; t < k; ++t) s += double(xp[i * k + t]) * xp[i * k + t];
-    norm[i] = static_cast<float>(std::sqrt(s) * norm_allowance);
-    finite = finite && std::isfinite(norm[i]);
-  }
+  const std::vector<float> norm = row_norms(xp, m, k, norm_allowance, finite);
   const at::Tensor none = at::empty({0}, x.options().dtype(at::kLong));
   if (!finite || m == 0) return none;
   at::Tensor upper = at::empty({m, n}, x.options().dtype(at::kFloat));  // a + B
@@ -177,6 +189,50 @@ at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   at::Tensor out = at::empty({static_cast<int64_t>(keep.size())}, x.options().dtype(at::kLong));
   std::copy(keep.begin(), keep.end(), out.data_ptr<int64_t>());
   return out;
+}
+
+at::Tensor int8_upper(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bound,
+                      double norm_allowance, double rounding) {
+  check_bounded(x, q, scale, bound);
+  const int64_t k = q.size(1), n = q.size(0), m = k == 0 ? 0 : x.numel() / k;
+  const at::Tensor x32 = x.to(at::kFloat).reshape({m, k}).contiguous();
+  const float* xp = x32.data_ptr<float>();
+  bool finite = true;
+  const std::vector<float> norm = row_norms(xp, m, k, norm_allowance, finite);
+  const at::Tensor none = at::empty({0}, x.options().dtype(at::kFloat));
+  if (!finite || m == 0) return none;
+  at::Tensor upper = at::empty({m, n}, x.options().dtype(at::kFloat));
+  float* up = upper.data_ptr<float>();
+  const float* bp = bound.data_ptr<float>();
+  const float r = static_cast<float>(rounding);
+  const int64_t tasks = (n + kRowsPerTask - 1) / kRowsPerTask;
+  std::vector<char> task_finite(tasks, 1);
+  at::parallel_for(0, tasks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kRowsPerTask, n1 = std::min(n, n0 + kRowsPerTask);
+      int8_features(xp, m, q.data_ptr<int8_t>(), scale.data_ptr<float>(), n0, n1, k, up, n);
+      for (int64_t i = 0; i < m; ++i) {  // a -> a + B + r (|a| + B)
+        const __m256 nv = _mm256_set1_ps(norm[i]), rv = _mm256_set1_ps(r), sign = _mm256_set1_ps(-0.0f);
+        __m256 sum = _mm256_setzero_ps();
+        int64_t j = n0;
+        for (; j + 8 <= n1; j += 8) {
+          const __m256 a = _mm256_loadu_ps(up + i * n + j), spread = _mm256_mul_ps(nv, _mm256_loadu_ps(bp + j));
+          const __m256 u = _mm256_fmadd_ps(rv, _mm256_add_ps(_mm256_andnot_ps(sign, a), spread), _mm256_add_ps(a, spread));
+          sum = _mm256_add_ps(sum, u);  // not finite where any a or B is not
+          _mm256_storeu_ps(up + i * n + j, u);
+        }
+        float total = hsum(sum);
+        for (; j < n1; ++j) {
+          const float a = up[i * n + j], spread = norm[i] * bp[j];
+          up[i * n + j] = std::fma(r, std::fabs(a) + spread, a + spread);
+          total += up[i * n + j];
+        }
+        if (!std::isfinite(total)) task_finite[b] = 0;
+      }
+    }
+  });
+  for (int64_t b = 0; b < tasks; ++b) finite = finite && task_finite[b];
+  return finite ? upper : none;
 }
 
 }  // namespace selfdraft

@@ -69,6 +69,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bound,
                        double norm_allowance, double margin);
 
+// Upper bounds on the bf16 logits of the bf16 product (selfdraft/screened_draws.py; int8_linear.cpp): with
+// a = int8_linear(x, q, scale) and B = ||x||_2 * norm_allowance * bound, U = a + B + rounding * (|a| + B), (m, n)
+// fp32; empty where anything is not finite.
+at::Tensor int8_upper(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bound,
+                      double norm_allowance, double rounding);
+
 // Whether this compiler has the AVX512-BF16 intrinsics (GCC 10, Clang 9 and later); without them the
 // module builds without that path and every product takes the AVX2 one.
 #if defined(__clang__) ? (__clang_major__ >= 9) : (defined(__GNUC__) && __GNUC__ >= 10)
