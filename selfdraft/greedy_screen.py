@@ -4,16 +4,26 @@ A one-token decode step reads every weight once and is bound by those bytes; the
 projection is a large share of them (SmolLM2-135M: 49,152 x 576, 57 MB of bf16, ~23% of a step on
 the 2-core AVX2 CPU; Gemma-3-270M: 262,144 x 640, 335 MB, ~60% of its weights). Greedy decoding
 and greedy verification use a row's argmax only. :class:`Screen` keeps an int8 copy of the projection
-(one fp32 scale per row, half the bytes) and, per vocabulary row j, a bound c_j such that for any
-input row x the kernel's fp32 sum f_j for the bf16 product (:func:`~selfdraft.kernels` ``bf16_linear``)
-and the int8 product a_j (``int8_linear``) satisfy ``|f_j - a_j| <= ||x||_2 * c_j``:
+(one fp32 scale per row, half the bytes) and, per vocabulary row j, a bound c_j and m_j = s_j ||q_j||_2
+such that for any input row x the kernel's fp32 sum f_j for the bf16 product (:func:`~selfdraft.kernels`
+``bf16_linear``) and the int8 product a_j (``int8_linear``) satisfy ``|f_j - a_j| <= B_j = ||x||_2 c_j
++ eps(x) m_j``:
 
     c_j = ||w_j - s_j q_j||_2 + gamma * (s_j ||q_j||_2 + ||w_j||_2),  gamma = 2 (k + 2) 2^-24
 
-(Cauchy-Schwarz on the quantization error, plus both sums' fp32 rounding, each at most about
-k 2^-24 sum_i |x_i w_i|; raised by 2^-10 relative for its own fp32 rounding; ||x|| is raised by
-gamma for its own).
-:func:`screened_logits` computes a, B_j = ||x|| c_j, the best lower bound L = max_j (a_j - B_j) and
+(Cauchy-Schwarz on the weights' quantization error, plus the bf16 sum's fp32 rounding, at most about
+k 2^-24 sum_i |x_i w_i|, and a spare allowance of the same size; raised by 2^-10 relative for its
+own fp32 rounding; ||x|| is raised by gamma for its own). The int8 product multiplies integers: the
+kernel quantizes each input row to int16, x = xs xq + delta (xs = max|x| / 16383, fewer levels where
+k 127 16383 would overflow an int32 sum), sums xq . q_j exactly in int32 and scales the sum by s_j
+xs in fp32 (three roundings of at most 2^-24 s_j xs |xq . q_j| each), so by Cauchy-Schwarz again
+
+    |s_j q_j . x - a_j| <= s_j |q_j . delta| + 2^-22 s_j xs |xq . q_j| <= m_j (||delta|| + 2^-22 xs ||xq||) = m_j eps(x),
+
+eps(x) computed in double in the kernel and raised by 2^-10 (m_j likewise). Widening int8 weights
+to int16 and multiplying 16 at a time (``vpmaddwd``) streams the copy ~1.5x faster than fp32
+multiply-adds of the same bytes on the 2-core AVX2 EPYC; eps adds a few percent to B.
+:func:`screened_logits` computes a, B_j, the best lower bound L = max_j (a_j - B_j) and
 M = max_j (|a_j| + B_j), and keeps every j with a_j + B_j >= L - 2^-6 M. For a j left out, its bf16
 logit e_j = bf16(f_j) <= f_j + 2^-8 M < L - 2^-6 M + 2^-8 M, and the row attaining L has a logit of at
 least L - 2^-8 M: every left-out logit is strictly below the row's maximum. The kept rows' logits
@@ -26,7 +36,7 @@ decode steps: SmolLM2 one token 18.8 -> 18.1 ms, Gemma-3-270M 29.3 -> 24.3 ms (p
 
 Only for greedy steps with exact acceptance (sampling and typical acceptance need the whole
 distribution), projections without bias or logit soft-capping, and products of at most
-:data:`SCREEN_MAX_ROWS` rows (past that the int8 product's conversions cost more than the bytes
+:data:`SCREEN_MAX_ROWS` rows (past that the int8 product's arithmetic costs more than the bytes
 saved). Draws at a temperature use the same copy (:mod:`selfdraft.screened_draws`).
 ``SELFDRAFT_GREEDY_SCREEN=0`` turns both off; the int8 copy costs half the projection's bytes
 of memory (28 MB for SmolLM2, 168 MB for Gemma-3-270M), built on the first step it serves.
@@ -46,14 +56,15 @@ from selfdraft.hugepages import to_huge_pages
 
 SCREEN_ENV = "SELFDRAFT_GREEDY_SCREEN"
 """Set to 0 to compute every greedy step's full vocabulary projection."""
-SCREEN_MAX_ROWS = 2
-"""Most input rows a screened projection takes. On the 2-core AVX2 EPYC, SmolLM2's 49,152 x 576
-lm_head alone (medians of 30, weights out of cache): 1 row 3.1 ms in bf16 against 1.9 ms in int8, 2
-rows 3.6 against 2.9, 3 rows 4.4 against 4.1, 4 rows 4.1 against 4.7; whole decode forwards after
-300 cached tokens, screen off / on: SmolLM2 1 row 18.8 / 18.1 ms, 2 rows 22.7 / 22.9; Gemma-3-270M
-1 row 29.3 / 24.3, 2 rows 34.6 / 33.3; with four accumulator chains per row for 2-3 rows (later that
-session): SmolLM2 2 rows 20.7 / 20.5, 3 rows 22.7 / 23.4, 4 rows 24.5 / 26.1; Gemma-3 2 rows 33.4 /
-30.1, 3 rows 40.2 / 39.1, 4 rows 41.3 / 46.4 (docs/perf_log.md, thirty-seventh session)."""
+SCREEN_MAX_ROWS = 4
+"""Most input rows a screened projection takes. On the 2-core AVX2 EPYC, the lm_heads alone with their
+weights out of cache (medians of 12), bf16 product against the screen (int16 inputs, thirty-ninth session):
+SmolLM2 1 row 3.6 / 2.1-2.4 ms, 2 rows 3.9-4.0 / 2.9-3.1, 3 rows 4.2 / 3.5-3.9, 4 rows 4.5-4.6 / 4.5,
+6 rows 7.7-7.9 / 6.2-6.9; Gemma-3-270M 1 row 20.6-21.0 / 9.9-10.6, 2 rows 22.5-23.1 / 14.8-15.8, 3 rows
+23.7-23.8 / 18.1-20.1, 4 rows 26.0-26.5 / 23.7, 6 rows 45 / 34-38. With fp32 inputs (thirty-seventh
+session) the screen lost from three rows on (whole decode forwards after 300 cached tokens, off / on:
+SmolLM2 3 rows 22.7 / 23.4, Gemma-3 4 rows 41.3 / 46.4; docs/perf_log.md). Five and more rows keep
+the bf16 product: its tiles there, and the screen's candidate pass grows with the rows."""
 SCREEN_MARGIN = 2.0**-6
 """Relative margin of the candidate test, against M = max |a_j| + B_j: above bf16's half-ulp (2^-8) twice."""
 BUILD_ROWS = 4096
@@ -71,7 +82,9 @@ class Screen:
     scale: Tensor
     """(V,) fp32 row scales: row j is about scale[j] * q[j]."""
     bound: Tensor
-    """(V,) fp32 c_j: |f_j - a_j| <= ||x||_2 c_j."""
+    """(V,) fp32 c_j, the bound's term in ||x||_2."""
+    qnorm: Tensor
+    """(V,) fp32 m_j = s_j ||q_j||_2, the bound's term in the input's int16 quantization error eps(x)."""
 
 
 def build_screen(weight: Tensor) -> Screen:
@@ -85,6 +98,7 @@ def build_screen(weight: Tensor) -> Screen:
     q = torch.empty(v, k, dtype=torch.int8)
     scale = torch.empty(v, dtype=torch.float32)
     bound = torch.empty(v, dtype=torch.float32)
+    qnorm = torch.empty(v, dtype=torch.float32)
     for start in range(0, v, BUILD_ROWS):
         w = weight[start : start + BUILD_ROWS].float()
         s = w.abs().amax(1) / 127
@@ -93,8 +107,9 @@ def build_screen(weight: Tensor) -> Screen:
         q[start : start + BUILD_ROWS] = rows.to(torch.int8)
         scale[start : start + BUILD_ROWS] = s
         error = (w - rows * s[:, None]).norm(dim=1)
-        bound[start : start + BUILD_ROWS] = error + gamma * (s * rows.norm(dim=1) + w.norm(dim=1))
-    return Screen(weight, to_huge_pages(q), scale, bound * (1 + 2.0**-10))
+        qnorm[start : start + BUILD_ROWS] = s * rows.norm(dim=1)
+        bound[start : start + BUILD_ROWS] = error + gamma * (qnorm[start : start + BUILD_ROWS] + w.norm(dim=1))
+    return Screen(weight, to_huge_pages(q), scale, bound * (1 + 2.0**-10), qnorm * (1 + 2.0**-10))
 
 
 def _gamma(k: int) -> float:
@@ -136,7 +151,8 @@ def screened_logits(kernel, screen: Screen, x: Tensor) -> Tensor | None:
     """(…, V) bf16 logits of bf16 rows ``x`` (…, k): the full product's values where they may be a
     row's maximum, -inf elsewhere; None where something is not finite (the full product decides then)."""
     rows = x.reshape(-1, x.shape[-1])
-    keep = kernel.int8_screen(rows, screen.q, screen.scale, screen.bound, norm_allowance(rows.shape[-1]), SCREEN_MARGIN)
+    keep = kernel.int8_screen(rows, screen.q, screen.scale, screen.bound, screen.qnorm, norm_allowance(rows.shape[-1]),
+                              SCREEN_MARGIN)
     if keep.numel() == 0:
         return None
     exact = kernel.bf16_linear(rows, screen.weight.index_select(0, keep), None)  # (m, kept)

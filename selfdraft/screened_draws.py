@@ -3,8 +3,8 @@
 A one-token decode step at temperature T > 0 (no top-k or top-p) only needs one draw from each row's
 softmax(e / T), e the bf16 logits of the vocabulary projection. :func:`screened_draws` reads the
 projection through the int8 copy of :mod:`selfdraft.greedy_screen` (half the bytes) and turns it into
-upper bounds: with a_j the int8 product, B_j = ||x|| c_j its proven distance to the kernel's fp32 sum
-f_j, and e_j = bf16(f_j) within half a bf16 ulp (2^-8 |f_j|) of f_j,
+upper bounds: with a_j the int8 product, B_j = ||x|| c_j + eps(x) m_j its proven distance to the
+kernel's fp32 sum f_j, and e_j = bf16(f_j) within half a bf16 ulp (2^-8 |f_j|) of f_j,
 
     e_j <= U_j = a_j + B_j + r (|a_j| + B_j),   r = 2^-8 + 2^-20 (the last term: U's own fp32 rounding).
 
@@ -96,7 +96,8 @@ def screened_draws(kernel, screen: Screen, x: Tensor, temperature: float) -> Scr
     rows = x.reshape(-1, x.shape[-1])
     if not temperature > 0 or not math.isfinite(temperature):
         raise ValueError(f"screened draws need a finite temperature > 0, got {temperature}")
-    upper = kernel.int8_upper(rows, screen.q, screen.scale, screen.bound, norm_allowance(rows.shape[-1]), ROUNDING)
+    upper = kernel.int8_upper(rows, screen.q, screen.scale, screen.bound, screen.qnorm, norm_allowance(rows.shape[-1]),
+                              ROUNDING)
     if upper.numel() == 0:
         return None
     return ScreenedDraws(kernel, screen, rows, upper, float(temperature))

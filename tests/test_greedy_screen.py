@@ -39,27 +39,43 @@ def inputs(rows: int, k: int, seed: int, weight: torch.Tensor) -> torch.Tensor:
     return x.bfloat16()
 
 
+def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 kernel's int16 view of input rows (int8_linear.cpp quantize_rows), in fp64: (xs, xq, eps)."""
+    k = x.shape[-1]
+    level = min(16383, (2**31 - 1) // (127 * k))
+    x = x.double()
+    xs = (x.abs().amax(1).float() / level).double()
+    xq = torch.round(x / xs[:, None]).clamp(-level, level)
+    eps = ((x - xs[:, None] * xq).norm(dim=1) + 2.0**-22 * xs * xq.norm(dim=1)) * (1 + 2.0**-10)
+    return xs, xq, eps
+
+
 @pytest.mark.parametrize("k", [64, 100])
 def test_int8_products_and_their_bound(k):
-    """Guards build_screen and int8_linear: the int8 product is scale * (x @ q.T) to fp32 accuracy, and
-    the true product x @ w.T (fp64) lies within ||x|| * bound of it on every row."""
+    """Guards build_screen and int8_linear: the int8 product is xs * (xq @ q.T) * scale for the int16 view
+    of each input row, to fp32 accuracy, and the true product x @ w.T (fp64) lies within ||x|| * bound +
+    eps(x) * qnorm of it on every row, for inputs small and large."""
     kernel = kernel_or_skip()
     w = weights(600, k, k)
     screen = gs.build_screen(w)
     assert screen.q.dtype == torch.int8 and screen.q.abs().max() <= 127 and torch.all(screen.q[3] == 0)
-    x = inputs(7, k, 1, w)
-    approx = kernel.int8_linear(x, screen.q, screen.scale)
-    want = (x.double() @ (screen.q.double() * screen.scale.double()[:, None]).T)
-    assert (approx.double() - want).abs().max() <= 1e-5 * want.abs().max()
-    true = x.double() @ w.double().T
-    assert bool(((true - approx.double()).abs() <= x.double().norm(dim=1, keepdim=True) * screen.bound.double()).all())
+    for seed, size in enumerate([1e-3, 1.0, 1e3]):
+        x = (inputs(7, k, 1 + seed, w).float() * size).bfloat16()
+        approx = kernel.int8_linear(x, screen.q, screen.scale)
+        xs, xq, eps = quantized(x)
+        want = xs[:, None] * (xq @ screen.q.double().T) * screen.scale.double()
+        assert (approx.double() - want).abs().max() <= 1e-6 * want.abs().max()
+        true = x.double() @ w.double().T
+        spread = x.double().norm(dim=1, keepdim=True) * screen.bound.double() + eps[:, None] * screen.qnorm.double()
+        assert bool(((true - approx.double()).abs() <= spread).all())
+    assert torch.isnan(kernel.int8_linear(x * float("nan"), screen.q, screen.scale)).all()
     with pytest.raises(RuntimeError, match="int8"):
         kernel.int8_linear(x, screen.q.float(), screen.scale)
     with pytest.raises(RuntimeError, match="features"):
         kernel.int8_linear(x[:, :-1], screen.q, screen.scale)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 def test_screened_argmax_is_the_full_products(rows, product_kernel):
     """Guards screened_logits: on 240 inputs (near-ties, exact ties across rows, zero rows), each row's
     argmax equals the full product's, the kept values are the full product's bit for bit, the rest

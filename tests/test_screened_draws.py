@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import kernel_or_skip, random_prompt, tiny_model
-from test_greedy_screen import inputs, weights
+from test_greedy_screen import inputs, quantized, weights
 from test_sampling import P_MIN, chi2_pvalue, exact_third_token
 
 import selfdraft.greedy_screen as gs
@@ -29,15 +29,17 @@ def test_upper_bounds_hold_for_every_bf16_logit(k, product_kernel):
     allowance = gs.norm_allowance(k)
     for seed in range(6):
         x = inputs(5, k, 10 + seed, w) * (10.0 ** (seed - 2))
-        upper = product_kernel.int8_upper(x, screen.q, screen.scale, screen.bound, allowance, sd.ROUNDING)
+        upper = product_kernel.int8_upper(x, screen.q, screen.scale, screen.bound, screen.qnorm, allowance, sd.ROUNDING)
         assert upper.shape == (5, 600) and upper.dtype == torch.float32
         a = product_kernel.int8_linear(x, screen.q, screen.scale).double()
         spread = x.double().norm(dim=1, keepdim=True) * allowance * screen.bound.double()
+        spread = spread + quantized(x)[2][:, None] * screen.qnorm.double()
         want = a + spread + sd.ROUNDING * (a.abs() + spread)
         assert (upper.double() - want).abs().max() <= 1e-5 * want.abs().max()
         exact = product_kernel.bf16_linear(x, w, None).float()
         assert bool((exact <= upper).all())
-    assert product_kernel.int8_upper(x * float("inf"), screen.q, screen.scale, screen.bound, allowance, sd.ROUNDING).numel() == 0
+    assert product_kernel.int8_upper(x * float("inf"), screen.q, screen.scale, screen.bound, screen.qnorm, allowance,
+                                     sd.ROUNDING).numel() == 0
 
 
 def spread_weights(v: int, k: int, seed: int) -> torch.Tensor:
@@ -88,7 +90,7 @@ def test_draws_stay_exact_when_they_fall_back_and_refuse_a_wrong_bound(monkeypat
     assert chi2_pvalue(counts, want) > P_MIN
     monkeypatch.setattr(sd, "MAX_ROUNDS", 16)
     monkeypatch.setattr(sd, "ROUNDING", 0.0)
-    wrong = sd.screened_draws(product_kernel, dataclasses.replace(screen, bound=torch.zeros(v)), x, 1.0)
+    wrong = sd.screened_draws(product_kernel, dataclasses.replace(screen, bound=torch.zeros(v), qnorm=torch.zeros(v)), x, 1.0)
     with pytest.raises(RuntimeError, match="bound"):
         for _ in range(200):
             wrong.draw(0, g)

@@ -10,17 +10,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[x @ w.T (+ b) for w, b in zip(weights, biases)] in one parallel loop (biases: one per weight, None allowed, or [])",
         pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("biases") = std::vector<c10::optional<at::Tensor>>{});
   m.def("int8_linear", &selfdraft::int8_linear,
-        "(x @ q.T) * scale for int8 rows q (n, k) with fp32 row scales (n,); fp32 accumulation and output",
+        "xs * (xq @ q.T) * scale for int8 rows q (n, k) with fp32 row scales (n,), inputs quantized to int16 per row; "
+        "exact int32 sums, fp32 output",
         pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"));
   m.def("int8_screen", &selfdraft::int8_screen,
-        "indices j where (x @ q.T * scale)_j + B_j >= max(a - B) - margin * max(|a| + B) in some row, B = ||x|| * "
-        "norm_allowance * bound; empty where anything is not finite",
-        pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("bound"),
+        "indices j where a_j + B_j >= max(a - B) - margin * max(|a| + B) in some row, a = int8_linear(x, q, scale), "
+        "B = ||x|| * norm_allowance * bound + eps(x) * qnorm; empty where anything is not finite",
+        pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("bound"), pybind11::arg("qnorm"),
         pybind11::arg("norm_allowance"), pybind11::arg("margin"));
   m.def("int8_upper", &selfdraft::int8_upper,
-        "(m, n) fp32 U = a + B + rounding * (|a| + B) with a = (x @ q.T) * scale and B = ||x|| * norm_allowance * bound; "
-        "empty where anything is not finite",
-        pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("bound"),
+        "(m, n) fp32 U = a + B + rounding * (|a| + B), a and B as int8_screen's; empty where anything is not finite",
+        pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("bound"), pybind11::arg("qnorm"),
         pybind11::arg("norm_allowance"), pybind11::arg("rounding"));
   m.def("avx512_bf16_available", &selfdraft::avx512_bf16_available,
         "whether this CPU runs AVX512-BF16 (bf16 products then use VDPBF16PS)");

@@ -60,20 +60,22 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
 std::vector<at::Tensor> bf16_linear_many(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                                          const std::vector<c10::optional<at::Tensor>>& biases);
 
-// (x @ q.T) * scale[None] for int8 rows q (n, k) and fp32 row scales, fp32 accumulation and output (int8_linear.cpp).
+// a = xs * (xq @ q.T) * scale for int8 rows q (n, k) and fp32 row scales, each input row quantized to int16
+// (x ~ xs * xq, one scale per row), exact int32 sums, fp32 output (int8_linear.cpp). With s = scale, for any
+// input row x and weight row w: |x . w - a| <= ||x|| ||w - s q|| + s ||q|| eps(x) + fp32 rounding, eps(x)
+// the quantization's own bound (int8_linear.cpp quantize_rows; selfdraft/greedy_screen.py).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
 
 // The greedy screen's candidates (selfdraft/greedy_screen.py; int8_linear.cpp): with a = int8_linear(x, q, scale)
-// and B = ||x||_2 * norm_allowance * bound, the indices j (ascending) where a_j + B_j >= max(a - B) - margin *
-// max(|a| + B) in some row of x; empty where anything is not finite.
+// and B = ||x||_2 * norm_allowance * bound + eps(x) * qnorm, the indices j (ascending) where a_j + B_j >=
+// max(a - B) - margin * max(|a| + B) in some row of x; empty where anything is not finite.
 at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bound,
-                       double norm_allowance, double margin);
+                       const at::Tensor& qnorm, double norm_allowance, double margin);
 
-// Upper bounds on the bf16 logits of the bf16 product (selfdraft/screened_draws.py; int8_linear.cpp): with
-// a = int8_linear(x, q, scale) and B = ||x||_2 * norm_allowance * bound, U = a + B + rounding * (|a| + B), (m, n)
-// fp32; empty where anything is not finite.
+// Upper bounds on the bf16 logits of the bf16 product (selfdraft/screened_draws.py; int8_linear.cpp): with a and
+// B as int8_screen's, U = a + B + rounding * (|a| + B), (m, n) fp32; empty where anything is not finite.
 at::Tensor int8_upper(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bound,
-                      double norm_allowance, double rounding);
+                      const at::Tensor& qnorm, double norm_allowance, double rounding);
 
 // Whether this compiler has the AVX512-BF16 intrinsics (GCC 10, Clang 9 and later); without them the
 // module builds without that path and every product takes the AVX2 one.
