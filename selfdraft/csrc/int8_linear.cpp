@@ -157,6 +157,31 @@ void int8_features(const QuantizedRows& x, int64_t m, const int8_t* q, const flo
   }
 }
 
+// The input side of a bounded pass (int8_screen, int8_upper): the rows as fp32, their norms times the
+// allowance, their int16 view; ok is false where there are no rows or something is not finite.
+struct BoundedInput {
+  int64_t m, k, n;
+  at::Tensor x32;
+  std::vector<float> norm;
+  QuantizedRows xq;
+  bool ok;
+};
+
+BoundedInput bounded_input(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bound,
+                           const at::Tensor& qnorm, double norm_allowance) {
+  check_bounded(x, q, scale, bound, qnorm);
+  BoundedInput in;
+  in.k = q.size(1);
+  in.n = q.size(0);
+  in.m = in.k == 0 ? 0 : x.numel() / in.k;
+  in.x32 = x.to(at::kFloat).reshape({in.m, in.k}).contiguous();
+  bool finite = true;
+  in.norm = row_norms(in.x32.data_ptr<float>(), in.m, in.k, norm_allowance, finite);
+  in.ok = finite && in.m > 0;
+  if (in.ok) in.xq = quantize_rows(in.x32.data_ptr<float>(), in.m, in.k);
+  return in;
+}
+
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
@@ -176,15 +201,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 
 at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bound,
                        const at::Tensor& qnorm, double norm_allowance, double margin) {
-  check_bounded(x, q, scale, bound, qnorm);
-  const int64_t k = q.size(1), n = q.size(0), m = k == 0 ? 0 : x.numel() / k;
-  const at::Tensor x32 = x.to(at::kFloat).reshape({m, k}).contiguous();
-  const float* xp = x32.data_ptr<float>();
-  bool finite = true;
-  const std::vector<float> norm = row_norms(xp, m, k, norm_allowance, finite);
+  const BoundedInput in = bounded_input(x, q, scale, bound, qnorm, norm_allowance);
   const at::Tensor none = at::empty({0}, x.options().dtype(at::kLong));
-  if (!finite || m == 0) return none;
-  const QuantizedRows xq = quantize_rows(xp, m, k);
+  if (!in.ok) return none;
+  const int64_t m = in.m, k = in.k, n = in.n;
+  const std::vector<float>& norm = in.norm;
+  const QuantizedRows& xq = in.xq;
+  bool finite = true;
   at::Tensor upper = at::empty({m, n}, x.options().dtype(at::kFloat));  // a + B
   float* up = upper.data_ptr<float>();
   const float* bp = bound.data_ptr<float>();
@@ -253,15 +276,13 @@ at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 
 at::Tensor int8_upper(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bound,
                       const at::Tensor& qnorm, double norm_allowance, double rounding) {
-  check_bounded(x, q, scale, bound, qnorm);
-  const int64_t k = q.size(1), n = q.size(0), m = k == 0 ? 0 : x.numel() / k;
-  const at::Tensor x32 = x.to(at::kFloat).reshape({m, k}).contiguous();
-  const float* xp = x32.data_ptr<float>();
-  bool finite = true;
-  const std::vector<float> norm = row_norms(xp, m, k, norm_allowance, finite);
+  const BoundedInput in = bounded_input(x, q, scale, bound, qnorm, norm_allowance);
   const at::Tensor none = at::empty({0}, x.options().dtype(at::kFloat));
-  if (!finite || m == 0) return none;
-  const QuantizedRows xq = quantize_rows(xp, m, k);
+  if (!in.ok) return none;
+  const int64_t m = in.m, k = in.k, n = in.n;
+  const std::vector<float>& norm = in.norm;
+  const QuantizedRows& xq = in.xq;
+  bool finite = true;
   at::Tensor upper = at::empty({m, n}, x.options().dtype(at::kFloat));
   float* up = upper.data_ptr<float>();
   const float* bp = bound.data_ptr<float>();
