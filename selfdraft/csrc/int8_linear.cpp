@@ -23,10 +23,6 @@ namespace {
 constexpr int64_t kAhead = 1024;       // bytes prefetched ahead of the weight row being read
 constexpr int64_t kRowsPerTask = 64;  // output features per parallel task
 
-inline __m256 load_int8x8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
 inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
