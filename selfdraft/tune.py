@@ -135,10 +135,12 @@ def read_tuned(head_dir: str | Path, lookup: int = 0, temperature: float = 0.0) 
 
 @torch.inference_mode()
 def forward_latency(model: nn.Module, sizes: list[int], context: int, reps: int,
-                    routes: dict[str, Callable[[], None]]) -> dict[str, dict[int, float]]:
+                    routes: dict[str, Callable[[], None]], argmax_only: bool = False) -> dict[str, dict[int, float]]:
     """Median seconds of one tree forward over n tokens (n in ``sizes``) after ``context`` cached tokens,
     per route: ``routes`` maps a name to a function run before each of its forwards (switching how the
     forward runs; scripts/forward_routes.py compares the lean and the HF forward this way).
+    ``argmax_only`` times the forwards as greedy steps run them (:func:`tree_forward`: the lm_head
+    screened where it pays).
 
     The sizes and routes take turns, one forward each per round, so a drift of the machine's speed
     over the minutes of a run (10-30% on the shared CPUs measured here) lands on every size alike
@@ -156,7 +158,7 @@ def forward_latency(model: nn.Module, sizes: list[int], context: int, reps: int,
             for route, enter in routes.items():
                 enter()
                 t0 = time.perf_counter()
-                tree_forward(model, cache, tokens, tree)
+                tree_forward(model, cache, tokens, tree, argmax_only=argmax_only)
                 if rep:
                     times[route][n].append(time.perf_counter() - t0)
                 cache.truncate(context)
@@ -164,9 +166,11 @@ def forward_latency(model: nn.Module, sizes: list[int], context: int, reps: int,
 
 
 def verify_latency(model: nn.Module, sizes: list[int], context: int, reps: int) -> dict[int, float]:
-    """Median seconds of one tree forward over n tokens (n in ``sizes``) after ``context`` cached tokens,
-    the sizes taking turns (:func:`forward_latency`)."""
-    return forward_latency(model, sizes, context, reps, {"": lambda: None})[""]
+    """Median seconds of one greedy verification over n tokens (n in ``sizes``) after ``context`` cached
+    tokens, the sizes taking turns (:func:`forward_latency`). Greedy as :func:`generate` runs it: only
+    each row's argmax is used, so small trees get the screened lm_head (:mod:`selfdraft.greedy_screen`)
+    and their cost is not overestimated."""
+    return forward_latency(model, sizes, context, reps, {"": lambda: None}, argmax_only=True)[""]
 
 
 @torch.inference_mode()

@@ -233,17 +233,23 @@ def test_verify_latency_times_the_sizes_in_turns(monkeypatch):
 
     def spy(model, cache, tokens, tree, **kw):
         calls.append((tokens.shape[1], cache.length))
+        greedy.append(kw.get("argmax_only", False))
         return real(model, cache, tokens, tree, **kw)
+
+    greedy = []
 
     monkeypatch.setattr(tune, "tree_forward", spy)
     out = tune.verify_latency(model, [3, 1, 5], context=8, reps=2)
     assert sorted(out) == [1, 3, 5] and all(t > 0 for t in out.values()), out
     assert calls[0] == (8, 0), calls  # the context prefill
     assert calls[1:] == [(3, 8), (1, 8), (5, 8)] * 3, calls
+    assert greedy == [False] + [True] * 9, greedy  # timed as generate's greedy steps run (screened lm_head)
     calls.clear()
+    greedy.clear()
     entered = []
     routes = {"a": lambda: entered.append("a"), "b": lambda: entered.append("b")}
     out = tune.forward_latency(model, [2, 4], context=8, reps=1, routes=routes)
     assert sorted(out) == ["a", "b"] and all(sorted(per) == [2, 4] for per in out.values()), out
     assert calls[1:] == [(2, 8), (2, 8), (4, 8), (4, 8)] * 2, calls  # each size under every route in turn
     assert entered == ["a", "b"] * 4, entered
+    assert not any(greedy), greedy  # full logits unless asked
