@@ -91,7 +91,7 @@ ATTENTION_NAME = "selfdraft_bf16"
 """Name the fused attention is registered under in Hugging Face's attention interface."""
 KERNEL_SOURCES = (
     "bindings.cpp", "bf16_linear.cpp", "bf16_linear_avx512.cpp", "bf16_attention.cpp", "bf16_rms_norm.cpp", "bf16_rope.cpp", "bf16_decoder.cpp",
-    "eagle3_step.cpp", "int8_linear.cpp",
+    "eagle3_step.cpp", "int8_linear.cpp", "bf16_argmax.cpp",
 )
 """Sources of the kernel module under selfdraft/csrc (kernels.h holds what they share)."""
 BLOCK_ROWS = 2048

@@ -91,9 +91,16 @@ def argmax(logits: Tensor) -> Tensor:
 
     PyTorch's CPU argmax over reduced-precision floats is far slower than over fp32 (one Gemma-3 row of
     262,144 bf16 logits: ~1.2 ms against ~0.35-0.6 ms widened first; twelve rows ~7.2 against ~2.4-4.2
-    ms on the 2-core AVX2 machine), and widening is exact, so such rows are widened first.
+    ms on the 2-core AVX2 machine), and widening is exact, so such rows are widened first; bf16 rows go
+    to the kernel module's one-pass argmax where it is built (selfdraft/csrc/bf16_argmax.cpp).
     """
     if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        if logits.dtype == torch.bfloat16 and logits.numel():
+            from selfdraft.kernels import fused_kernel
+
+            kernel = fused_kernel()
+            if kernel is not None:
+                return kernel.bf16_argmax(logits.reshape(-1, logits.shape[-1]).contiguous()).view(logits.shape[:-1])
         logits = logits.float()
     return logits.argmax(-1)
 

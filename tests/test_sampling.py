@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import VOCAB, random_prompt, tiny_model
+from conftest import VOCAB, kernel_or_skip, random_prompt, tiny_model
 from scipy.stats import chisquare
 from test_eagle3 import make_head
 
@@ -221,3 +221,36 @@ def test_argmax_is_the_first_maximum_like_torch(dtype):
     assert torch.equal(got, want)
     assert (int(got[0, 0]), int(got[0, 1]), int(got[0, 2]), int(got[1, 0])) == (17, 5, 0, 0)
     assert torch.equal(argmax(x[1, 1]), x[1, 1].argmax(-1))
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 23, 1000, 4099])
+def test_bf16_argmax_kernel_is_torch_argmax(n, monkeypatch):
+    """Guards the one-pass bf16 argmax kernel (and :func:`argmax` routing bf16 rows to it): on rows full
+    of ties (few distinct values, so the maximum repeats across the eight lanes and the tail), NaN in the
+    vectorised part or only in the tail, all -inf, +-0 and +inf rows, it answers torch's argmax over the
+    widened row; bad input is refused."""
+    kernel = kernel_or_skip()
+    g = torch.Generator().manual_seed(n)
+    rows = [torch.randint(-3, 4, (n,), generator=g).float() for _ in range(40)]  # many ties
+    rows += [torch.randn(n, generator=g) * 100 for _ in range(20)]
+    rows.append(torch.full((n,), float("-inf")))
+    rows.append(torch.tensor([-0.0, 0.0] * n)[:n])
+    for at in {0, n // 2, n - 1, n - (n % 8 or 8), min(n - 1, 8 * (n // 8))}:  # NaN / +inf / late maximum
+        for value in (float("nan"), float("inf")):
+            r = torch.randint(-3, 4, (n,), generator=g).float()
+            r[at] = value
+            rows.append(r)
+        r = torch.full((n,), -5.0)
+        r[at:] = 7.0  # the maximum first appears at `at`, then repeats in every later lane
+        rows.append(r)
+    x = torch.stack(rows).bfloat16()
+    want = x.float().argmax(-1)
+    got = kernel.bf16_argmax(x)
+    assert got.dtype == torch.int64 and torch.equal(got, want), (got - want).nonzero()
+    for bad in (x.float(), x[:, ::2] if n > 1 else x[None], x[:, :0]):
+        with pytest.raises(RuntimeError, match="bf16_argmax"):
+            kernel.bf16_argmax(bad)
+    calls = []
+    real = kernel.bf16_argmax
+    monkeypatch.setattr(kernel, "bf16_argmax", lambda t: calls.append(tuple(t.shape)) or real(t))
+    assert torch.equal(argmax(x[None]), want[None]) and calls == [tuple(x.shape)]  # bf16 rows take it

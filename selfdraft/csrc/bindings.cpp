@@ -22,6 +22,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(m, n) fp32 U = a + B + rounding * (|a| + B), a and B as int8_screen's; empty where anything is not finite",
         pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"), pybind11::arg("bound"), pybind11::arg("qnorm"),
         pybind11::arg("norm_allowance"), pybind11::arg("rounding"));
+  m.def("bf16_argmax", &selfdraft::bf16_argmax,
+        "(m,) int64 first maximum of each row of contiguous bf16 rows (m, n), as torch.argmax(-1) (a NaN wins)",
+        pybind11::arg("x"));
   m.def("avx512_bf16_available", &selfdraft::avx512_bf16_available,
         "whether this CPU runs AVX512-BF16 (bf16 products then use VDPBF16PS)");
   m.def("avx512_bf16_enabled", &selfdraft::avx512_bf16_enabled,

@@ -77,6 +77,10 @@ at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 at::Tensor int8_upper(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bound,
                       const at::Tensor& qnorm, double norm_allowance, double rounding);
 
+// The first maximum of each row of contiguous bf16 rows (m, n), as torch.argmax(-1): ties to the first index,
+// the first NaN wins, all -inf gives 0; (m,) int64 (bf16_argmax.cpp).
+at::Tensor bf16_argmax(const at::Tensor& x);
+
 // Whether this compiler has the AVX512-BF16 intrinsics (GCC 10, Clang 9 and later); without them the
 // module builds without that path and every product takes the AVX2 one.
 #if defined(__clang__) ? (__clang_major__ >= 9) : (defined(__GNUC__) && __GNUC__ >= 10)
