@@ -135,23 +135,29 @@ def read_tuned(head_dir: str | Path, lookup: int = 0, temperature: float = 0.0) 
 
 @torch.inference_mode()
 def forward_latency(model: nn.Module, sizes: list[int], context: int, reps: int,
-                    routes: dict[str, Callable[[], None]], argmax_only: bool = False) -> dict[str, dict[int, float]]:
+                    routes: dict[str, Callable[[], None]], argmax_only: bool = False,
+                    text: Sequence[int] = ()) -> dict[str, dict[int, float]]:
     """Median seconds of one tree forward over n tokens (n in ``sizes``) after ``context`` cached tokens,
     per route: ``routes`` maps a name to a function run before each of its forwards (switching how the
     forward runs; scripts/forward_routes.py compares the lean and the HF forward this way).
     ``argmax_only`` times the forwards as greedy steps run them (:func:`tree_forward`: the lm_head
-    screened where it pays).
+    screened where it pays). ``text``: token ids the context and the timed tokens are read from
+    (repeated where too short; random ids where empty). Greedy timings need real text: after random
+    ids the screen can keep ~10% of Gemma-3's vocabulary (27,469 of 262,144 rows where text keeps
+    3-13), and then times a screened verification slower than an unscreened one.
 
     The sizes and routes take turns, one forward each per round, so a drift of the machine's speed
     over the minutes of a run (10-30% on the shared CPUs measured here) lands on every size alike
     instead of on whichever size was being timed then (docs/perf_log.md)."""
     device = next(model.parameters()).device
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    cache = new_cache(model, context + max(sizes) + 8)
-    prompt = torch.randint(0, vocab, (1, context), generator=g).to(device)
-    tree_forward(model, cache, prompt, chain_tree(context - 1), last_logits_only=True)
-    inputs = {n: (torch.randint(0, vocab, (1, n), generator=g).to(device), chain_tree(n - 1)) for n in sizes}
+    need = context + max(sizes)
+    if text:
+        ids = torch.tensor((list(text) * (need // len(text) + 1))[:need], device=device)
+    else:
+        ids = torch.randint(0, model.config.vocab_size, (need,), generator=torch.Generator().manual_seed(0)).to(device)
+    cache = new_cache(model, need + 8)
+    tree_forward(model, cache, ids[None, :context], chain_tree(context - 1), last_logits_only=True)
+    inputs = {n: (ids[None, context : context + n], chain_tree(n - 1)) for n in sizes}
     times: dict[str, dict[int, list[float]]] = {r: {n: [] for n in sizes} for r in routes}
     for rep in range(reps + 1):  # round 0 warms every shape up
         for n, (tokens, tree) in inputs.items():
@@ -165,12 +171,12 @@ def forward_latency(model: nn.Module, sizes: list[int], context: int, reps: int,
     return {r: {n: statistics.median(t) for n, t in per.items()} for r, per in times.items()}
 
 
-def verify_latency(model: nn.Module, sizes: list[int], context: int, reps: int) -> dict[int, float]:
+def verify_latency(model: nn.Module, sizes: list[int], context: int, reps: int, text: Sequence[int]) -> dict[int, float]:
     """Median seconds of one greedy verification over n tokens (n in ``sizes``) after ``context`` cached
-    tokens, the sizes taking turns (:func:`forward_latency`). Greedy as :func:`generate` runs it: only
-    each row's argmax is used, so small trees get the screened lm_head (:mod:`selfdraft.greedy_screen`)
-    and their cost is not overestimated."""
-    return forward_latency(model, sizes, context, reps, {"": lambda: None}, argmax_only=True)[""]
+    tokens of ``text`` (the tuning prompts), the sizes taking turns (:func:`forward_latency`). Greedy as
+    :func:`generate` runs it: only each row's argmax is used, so small trees get the screened lm_head
+    (:mod:`selfdraft.greedy_screen`) and their cost is not overestimated."""
+    return forward_latency(model, sizes, context, reps, {"": lambda: None}, argmax_only=True, text=text)[""]
 
 
 @torch.inference_mode()
@@ -451,7 +457,7 @@ def main(cfg: TuneConfig) -> dict:
 
     # 1. verification cost against tree size
     print(f"[tune] timing target forwards over 1..{budgets[-1] + 1} tree tokens after {cfg.context} cached tokens")
-    verify = verify_latency(model, [b + 1 for b in budgets] + [1], cfg.context, cfg.reps)
+    verify = verify_latency(model, [b + 1 for b in budgets] + [1], cfg.context, cfg.reps, [t for p in prompts for t in p])
     # 2. the loop's own time per step, from plain greedy runs (Medusa's profile reads all of them)
     plain = [generate(model, p, None, gen_cfg, target.eos_token_ids) for p in (prompts if kind == "medusa" else prompts[:2])]
     other = sum(o.stats.other_s for o in plain) / max(1, sum(o.stats.steps for o in plain))

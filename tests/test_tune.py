@@ -234,16 +234,20 @@ def test_verify_latency_times_the_sizes_in_turns(monkeypatch):
     def spy(model, cache, tokens, tree, **kw):
         calls.append((tokens.shape[1], cache.length))
         greedy.append(kw.get("argmax_only", False))
+        seen.append(tokens[0].tolist())
         return real(model, cache, tokens, tree, **kw)
 
-    greedy = []
+    greedy, seen = [], []
 
     monkeypatch.setattr(tune, "tree_forward", spy)
-    out = tune.verify_latency(model, [3, 1, 5], context=8, reps=2)
+    text = [5, 6, 7, 8, 9]
+    out = tune.verify_latency(model, [3, 1, 5], context=8, reps=2, text=text)
     assert sorted(out) == [1, 3, 5] and all(t > 0 for t in out.values()), out
     assert calls[0] == (8, 0), calls  # the context prefill
     assert calls[1:] == [(3, 8), (1, 8), (5, 8)] * 3, calls
     assert greedy == [False] + [True] * 9, greedy  # timed as generate's greedy steps run (screened lm_head)
+    # context and timed tokens read from the text, repeated where it is short (the screen's cost depends on it)
+    assert seen[0] == (text * 3)[:8] and seen[1:4] == [(text * 3)[8:11], (text * 3)[8:9], (text * 3)[8:13]], seen
     calls.clear()
     greedy.clear()
     entered = []
