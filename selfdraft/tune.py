@@ -2,8 +2,9 @@
 
 Expected tokens/s of a tree budget b is ``tau(b) / (verify(b) + draft(b) + other)``:
 
-- ``verify(n)``: measured latency of one target forward over a tree of n tokens after a cached
-  context (on a GPU nearly flat up to ~64 tokens; on a small CPU it grows quickly);
+- ``verify(n)``: measured latency of one greedy target forward over a tree of n tokens after a cached
+  context of the tuning prompts' text, as generation runs it (the lm_head screened for up to four
+  tokens; on a GPU nearly flat up to ~64 tokens; on a small CPU it grows quickly);
 - ``draft(b)``: measured latency of one drafter step (feed the accepted pair, expand the tree);
 - ``other``: the decode loop's own time per step (acceptance, cache compaction), from a real run;
 - ``tau(b)``: accept length of the budget on real prompts. EAGLE heads (dynamic trees): one greedy
