@@ -12,6 +12,7 @@ from conftest import kernel_or_skip, random_prompt, tiny_model
 
 import selfdraft.greedy_screen as gs
 import selfdraft.lean_forward as lean
+from selfdraft.drafters import draft_model, layer_skip_drafter
 from selfdraft.drafters.prompt_lookup import PromptLookupDrafter
 from selfdraft.generate import GenerationConfig, generate
 from selfdraft.sampling import SamplingConfig
@@ -120,9 +121,10 @@ def test_screen_declines_what_it_cannot_decide():
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_greedy_generation_is_unchanged_by_the_screen(monkeypatch, arch):
-    """Guards the screen's use in the decode loop: bf16 greedy generation, plain and with prompt
-    lookup, gives the same tokens with the screen on and off, and the screen took steps; sampled steps
-    never take its argmax path (they draw: tests/test_screened_draws.py)."""
+    """Guards the screen's use in the decode loop: bf16 greedy generation, plain, with prompt lookup and
+    with layer-skip drafts, gives the same tokens with the screen on and off, and the screen took steps;
+    sampled steps never take its argmax path (they draw: tests/test_screened_draws.py); a draft model's
+    greedy forwards ask for it, its sampled ones do not."""
     kernel_or_skip()
     model = tiny_model(arch, dtype=torch.bfloat16)
     calls = {"n": 0}
@@ -134,7 +136,8 @@ def test_greedy_generation_is_unchanged_by_the_screen(monkeypatch, arch):
 
     monkeypatch.setattr(lean, "screened_logits", counting)
     prompt = random_prompt(12, 5) * 2  # repeats: lookup drafts
-    for drafter in (None, PromptLookupDrafter(num_tokens=1), PromptLookupDrafter(num_tokens=4)):
+    skip = layer_skip_drafter(model, layers=1)
+    for drafter in (None, PromptLookupDrafter(num_tokens=1), PromptLookupDrafter(num_tokens=4), skip):
         outs = []
         for on in ("0", "1"):
             monkeypatch.setenv(gs.SCREEN_ENV, on)
@@ -145,3 +148,17 @@ def test_greedy_generation_is_unchanged_by_the_screen(monkeypatch, arch):
     calls["n"] = 0
     generate(model, prompt, None, GenerationConfig(max_new_tokens=8, sampling=SamplingConfig(1.0), seed=0))
     assert calls["n"] == 0
+    # a draft model's (here the layer-skip view's) greedy forwards ask for the screen, sampled ones do not
+    greedy_flags = []
+    real_forward = draft_model.tree_forward
+
+    def recording(*a, **kw):
+        greedy_flags.append(kw.get("argmax_only", False))
+        return real_forward(*a, **kw)
+
+    monkeypatch.setattr(draft_model, "tree_forward", recording)
+    generate(model, prompt, skip, GenerationConfig(max_new_tokens=16))
+    assert greedy_flags and all(greedy_flags), greedy_flags
+    greedy_flags.clear()
+    generate(model, prompt, skip, GenerationConfig(max_new_tokens=8, sampling=SamplingConfig(1.0), seed=0))
+    assert greedy_flags and not any(greedy_flags), greedy_flags

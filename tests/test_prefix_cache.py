@@ -164,9 +164,9 @@ def test_draft_model_keeps_its_cache_across_prompts(models):
     fed: list[int] = []
 
     class Spy(DraftModelDrafter):
-        def _feed(self, tokens):
+        def _feed(self, tokens, greedy):
             fed.append(len(tokens))
-            return super()._feed(tokens)
+            return super()._feed(tokens, greedy)
 
     drafter = Spy(layer_skip_drafter(model, layers=2).model, gamma=3)
     prompt = random_prompt(30, 5)

@@ -45,10 +45,13 @@ class DraftModelDrafter:
         self.gamma = self.initial_gamma
         self.cache.ensure_capacity(step.tokens.numel() + 512)
 
-    def _feed(self, tokens: list[int]) -> Tensor:
-        """Append tokens to the draft cache; returns the (V,) logits after the last one."""
+    def _feed(self, tokens: list[int], greedy: bool) -> Tensor:
+        """Append tokens to the draft cache; returns the (V,) logits after the last one. ``greedy``: only
+        their argmax will be used, so the lm_head may be screened (-inf where a logit cannot be the
+        maximum; :mod:`selfdraft.greedy_screen`), the same argmax at about half the vocabulary's bytes."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[None]
-        out = tree_forward(self.model, self.cache, ids, chain_tree(len(tokens) - 1), last_logits_only=True)
+        out = tree_forward(self.model, self.cache, ids, chain_tree(len(tokens) - 1), last_logits_only=True,
+                           argmax_only=greedy)
         self.cached.extend(tokens)
         return out.logits[0, -1]
 
@@ -59,7 +62,7 @@ class DraftModelDrafter:
         common = min(common_prefix(self.cached, seq), len(seq) - 1)  # always re-feed at least the root
         self.cache.truncate(common)
         del self.cached[common:]
-        logits = self._feed(seq[common:])
+        logits = self._feed(seq[common:], sampling.greedy)
         drafted: list[int] = []
         qs: list[Tensor] = []
         for i in range(self.gamma):
@@ -71,7 +74,7 @@ class DraftModelDrafter:
                 tok = int(sample(q, generator))
             drafted.append(tok)
             if i + 1 < self.gamma:
-                logits = self._feed([tok])
+                logits = self._feed([tok], sampling.greedy)
         node_tokens = torch.tensor([seq[-1]] + drafted, dtype=torch.long)
         q = None
         if qs:
