@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from selfdraft.kernels import fused_kernel
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -96,8 +98,6 @@ def argmax(logits: Tensor) -> Tensor:
     """
     if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
         if logits.dtype == torch.bfloat16 and logits.numel():
-            from selfdraft.kernels import fused_kernel
-
             kernel = fused_kernel()
             if kernel is not None:
                 return kernel.bf16_argmax(logits.reshape(-1, logits.shape[-1]).contiguous()).view(logits.shape[:-1])

@@ -42,7 +42,7 @@ int64_t row_argmax(const uint16_t* p, int64_t n) {
   _mm256_store_ps(lane_best, best);
   _mm256_store_si256(reinterpret_cast<__m256i*>(lane_at), best_at);
   float top = -std::numeric_limits<float>::infinity();
-  int64_t top_at = j < n ? j : 0;  // an all -inf row: index 0 (a lane's first index, or the tail's)
+  int64_t top_at = 0;
   bool found = false;
   for (int l = 0; l < 8 && j > 0; ++l) {
     if (!found || lane_best[l] > top || (lane_best[l] == top && lane_at[l] < top_at)) {
