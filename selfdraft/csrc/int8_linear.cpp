@@ -153,6 +153,14 @@ void int8_features(const QuantizedRows& x, int64_t m, const int8_t* q, const flo
   }
 }
 
+// B_j = ||x_i|| * bound_j + eps_i * qnorm_j, how far a_j may lie from the kernel's fp32 sum for the bf16
+// product (selfdraft/greedy_screen.py): eight features, then one, for both bounded passes.
+inline __m256 spread8(__m256 norm, __m256 eps, const float* bound, const float* qnorm) {
+  return _mm256_fmadd_ps(eps, _mm256_loadu_ps(qnorm), _mm256_mul_ps(norm, _mm256_loadu_ps(bound)));
+}
+
+inline float spread1(float norm, float eps, float bound, float qnorm) { return std::fma(eps, qnorm, norm * bound); }
+
 // The input side of a bounded pass (int8_screen, int8_upper): the rows as fp32, their norms times the
 // allowance, their int16 view; ok is false where there are no rows or something is not finite.
 struct BoundedInput {
@@ -220,8 +228,7 @@ at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& q, const at::Tenso
         __m256 lo = _mm256_set1_ps(-INFINITY), hi = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
         int64_t j = n0;
         for (; j + 8 <= n1; j += 8) {
-          const __m256 a = _mm256_loadu_ps(up + i * n + j), spread = _mm256_fmadd_ps(
-              ev, _mm256_loadu_ps(mp + j), _mm256_mul_ps(nv, _mm256_loadu_ps(bp + j)));
+          const __m256 a = _mm256_loadu_ps(up + i * n + j), spread = spread8(nv, ev, bp + j, mp + j);
           const __m256 u = _mm256_add_ps(a, spread);
           lo = _mm256_max_ps(lo, _mm256_sub_ps(a, spread));
           hi = _mm256_max_ps(hi, _mm256_add_ps(_mm256_andnot_ps(sign, a), spread));
@@ -234,7 +241,7 @@ at::Tensor int8_screen(const at::Tensor& x, const at::Tensor& q, const at::Tenso
         float l = -INFINITY, h = 0.0f, total = hsum(sum);
         for (int e = 0; e < 8; ++e) l = std::max(l, l8[e]), h = std::max(h, h8[e]);
         for (; j < n1; ++j) {
-          const float a = up[i * n + j], spread = std::fma(xq.eps[i], mp[j], norm[i] * bp[j]);
+          const float a = up[i * n + j], spread = spread1(norm[i], xq.eps[i], bp[j], mp[j]);
           l = std::max(l, a - spread);
           h = std::max(h, std::fabs(a) + spread);
           up[i * n + j] = a + spread;
@@ -295,15 +302,14 @@ at::Tensor int8_upper(const at::Tensor& x, const at::Tensor& q, const at::Tensor
         __m256 sum = _mm256_setzero_ps();
         int64_t j = n0;
         for (; j + 8 <= n1; j += 8) {
-          const __m256 a = _mm256_loadu_ps(up + i * n + j), spread = _mm256_fmadd_ps(
-              ev, _mm256_loadu_ps(mp + j), _mm256_mul_ps(nv, _mm256_loadu_ps(bp + j)));
+          const __m256 a = _mm256_loadu_ps(up + i * n + j), spread = spread8(nv, ev, bp + j, mp + j);
           const __m256 u = _mm256_fmadd_ps(rv, _mm256_add_ps(_mm256_andnot_ps(sign, a), spread), _mm256_add_ps(a, spread));
           sum = _mm256_add_ps(sum, u);  // not finite where any a or B is not
           _mm256_storeu_ps(up + i * n + j, u);
         }
         float total = hsum(sum);
         for (; j < n1; ++j) {
-          const float a = up[i * n + j], spread = std::fma(xq.eps[i], mp[j], norm[i] * bp[j]);
+          const float a = up[i * n + j], spread = spread1(norm[i], xq.eps[i], bp[j], mp[j]);
           up[i * n + j] = std::fma(r, std::fabs(a) + spread, a + spread);
           total += up[i * n + j];
         }
