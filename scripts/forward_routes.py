@@ -5,8 +5,8 @@ AVX2 path (the comparison behind the kernel's VDPBF16PS path, csrc/bf16_linear_a
 
     python scripts/forward_routes.py [--target smollm2] [--sizes 1 6 7 8 12 16] [--context 256] [--reps 15]
 
-Where a forward is larger than the lean forward takes (``lean_forward.lean_max_rows()``, 16 queries per
-row) both columns are the model's own forward. The numbers behind ``LEAN_MAX_ROWS_NATIVE`` and the
+Where a forward is larger than the lean forward takes (``lean_forward.lean_max_rows()`` tokens over the
+batch) both columns are the model's own forward. The numbers behind ``LEAN_MAX_ROWS_NATIVE`` and the
 kernels' row limits (docs/perf_log.md) come from this comparison.
 """
 

@@ -38,13 +38,13 @@ from torch import Tensor, nn
 from selfdraft import kernels
 from selfdraft.cache import PreallocatedLayer, SpecCache
 from selfdraft.greedy_screen import lm_head_screen, screened_logits
-from selfdraft.kernels import FUSED_ATTENTION_MAX_QUERIES, FUSED_MAX_ROWS, rms_norm_convention
+from selfdraft.kernels import FUSED_MAX_ROWS, rms_norm_convention
 from selfdraft.screened_draws import ScreenedDraws, screened_draws
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
 LEAN_MAX_ROWS_NATIVE = 16
-"""Most tokens (over the batch) a lean forward takes where bf16 is native (FUSED_MAX_ROWS elsewhere,
-at most FUSED_ATTENTION_MAX_QUERIES per row in both); all its products run on the product kernel.
+"""Most tokens (over the batch) a lean forward takes where bf16 is native (FUSED_MAX_ROWS elsewhere);
+all its products run on the product kernel and its attention on the attention kernel.
 That beat the model's own forward when it gave products past kernels.FUSED_MAX_ROWS_NATIVE (6) rows
 to oneDNN (the kernel's AVX2 path): on a 2-core AVX512-BF16 EPYC after 256 cached tokens (medians of 15, interleaved),
 SmolLM2 7 rows 24.0 vs 49.1 ms, 8: 25.4 vs 47.4, 12: 34.7 vs 50.4, 16: 44.0 vs 53.8; Gemma-3-270M
@@ -261,7 +261,10 @@ def lean_applies(model: nn.Module, cache: object, tokens: Tensor) -> tuple[LeanP
         return None
     if tokens.device.type != "cpu" or torch.is_grad_enabled() or not isinstance(cache, SpecCache):
         return None
-    if tokens.shape[-1] > FUSED_ATTENTION_MAX_QUERIES or tokens.numel() > lean_max_rows():
+    # trees of up to lean_max_rows() nodes stay on the kernels: attention past FUSED_ATTENTION_MAX_QUERIES
+    # queries costs about what SDPA does, and only the kernels give a tree's rows the bits of the
+    # one-token steps of plain decoding (greedy identity in bf16)
+    if tokens.numel() > lean_max_rows():
         return None
     if not all(type(layer) is PreallocatedLayer for layer in cache.layers):
         return None

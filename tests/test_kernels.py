@@ -350,6 +350,40 @@ def test_fused_attention_kernel_is_sdpa(b, h, hk, n, length, d):
         assert diff <= 2e-2 * max(1.0, want.abs().max().item()), f"mask {None if mask is None else mask.dtype}: {diff}"
 
 
+@pytest.mark.parametrize("hk,d", [(16, 64), (4, 256)])
+def test_fused_attention_rows_do_not_depend_on_the_other_rows(hk, d):
+    """Guards what makes a verified tree's greedy tokens those of one-token steps, bit for bit: a query
+    row's output among the rows of a tree verification (its ancestors spread among branches it cannot
+    see, more keys after it, other rows and heads in its tile; additive bf16-minimum or bool mask)
+    equals its output in the one-token step that would compute it in plain decoding (the cache, then
+    its ancestors in order, no mask). Over many heads and cache lengths, as a difference in the last
+    fp32 bit shows in a bf16 output only now and then (a few in a million): a kernel that summed the
+    softmax in lanes by key position, or took a key's exp by how many keys followed it, fails here,
+    and with it 1,024-token replies drifted apart from plain decoding (tests/test_smollm2.py)."""
+    kernel = fused()
+    torch.manual_seed(d)
+    n, h = 7, 3 * hk
+    parent = [-1, 0, 0, 1, 2, 2, 4]  # a draft tree: row i sees the cache, its ancestors and itself
+    k = torch.randn(1, hk, 160 + n, d).bfloat16()
+    v = torch.randn(1, hk, 160 + n, d).bfloat16()
+    for start in range(1, 160, 1 if d == 64 else 3):
+        q = torch.randn(1, n, h, d).bfloat16().transpose(1, 2) * 3
+        visible = torch.zeros(1, 1, n, start + n, dtype=torch.bool)
+        visible[..., :start] = True
+        for i in range(n):
+            j = i
+            while j >= 0:
+                visible[0, 0, i, start + j] = True
+                j = parent[j]
+        additive = torch.zeros(visible.shape, dtype=torch.bfloat16).masked_fill_(~visible, torch.finfo(torch.bfloat16).min)
+        for mask in (additive, visible):
+            tree = kernel.bf16_attention(q, k[:, :, : start + n], v[:, :, : start + n], mask, d**-0.5)
+            for i in range(n):
+                seen = visible[0, 0, i].nonzero().flatten()  # the plain step's keys, in order
+                alone = kernel.bf16_attention(q[:, :, i : i + 1], k[:, :, seen], v[:, :, seen], None, d**-0.5)
+                assert torch.equal(tree[:, i], alone[:, 0]), f"cache {start}, row {i}, mask {mask.dtype}"
+
+
 def test_draft_head_attention_takes_the_kernel_for_bf16_steps_only(monkeypatch):
     """Guards the draft heads' attention (selfdraft/heads/layers.py): a bf16 drafting step (a few
     queries over a grouped-query cache, a tree mask) goes through the kernel, with SDPA's result to

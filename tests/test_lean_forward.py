@@ -50,7 +50,7 @@ def forward_both(monkeypatch, model, prompt, trees, hidden_layers=(), last_logit
         pair = []
         for on in ("0", "1"):
             monkeypatch.setenv(lean.LEAN_ENV, on)
-            cache = new_cache(model, 64)
+            cache = new_cache(model, 96)
             with torch.inference_mode():
                 tree_forward(model, cache, prompt, chain_tree(prompt.shape[1] - 1), last_logits_only=True)
                 tokens = torch.tensor([random_prompt(tree.size, tree.size)])
@@ -79,7 +79,7 @@ def assert_same(hf, lean_out):
 def test_lean_forward_is_bit_identical_to_the_hf_forward(monkeypatch, arch):
     """Decode steps, chains and branching trees after a prefill: same logits, hidden states (HF's
     numbering, negative indices included) and cache entries as the HF forward with the fused kernels.
-    Qwen2 adds q/k/v biases; Gemma-3 q/k norms, sliding-window layers (the 20-token prefix is past the
+    Qwen2 adds q/k/v biases; Gemma-3 q/k norms, sliding-window layers (the 50-token prefix is past the
     tiny model's window of 6), four norms per layer, scaled embeddings and optionally final logit
     soft-capping. The layer-skip view of the target takes it too. Where bf16 is native the HF forward
     gives products past 6 rows to oneDNN; here it keeps them on the kernel, as the lean forward does."""
@@ -89,7 +89,7 @@ def test_lean_forward_is_bit_identical_to_the_hf_forward(monkeypatch, arch):
     model = tiny_model(arch.removesuffix("-softcap"), dtype=torch.bfloat16)
     if arch.endswith("-softcap"):
         model.config.final_logit_softcapping = 3.0  # HF's forward reads it per call; the plan is built after
-    prompt = torch.tensor([random_prompt(20, 1)])  # > 16 tokens: the prefill itself takes HF's forward
+    prompt = torch.tensor([random_prompt(kernels.FUSED_MAX_ROWS + 2, 1)])  # the prefill itself takes HF's forward
     trees = [chain_tree(0), chain_tree(3), tree_from_parents([-1, 0, 0, 1, 1, 3, 4]),
              tree_from_parents([-1, 0, 0, 1, 1, 2, 3, 3, 4, 6, 7, 7, 9, 10, 12, 13])]
     assert max(len(t.parents) for t in trees) <= lean.lean_max_rows()
@@ -143,16 +143,19 @@ def test_lean_forward_applies_only_where_it_reproduces_the_forward(monkeypatch):
     k = kernel()
     model = tiny_model("llama", dtype=torch.bfloat16)
     cache = new_cache(model, 64)
-    small, wide = torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, lean.FUSED_ATTENTION_MAX_QUERIES + 1, dtype=torch.long)
+    small, wide = torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, kernels.FUSED_MAX_ROWS + 1, dtype=torch.long)
     with torch.inference_mode():
         assert lean.lean_applies(model, cache, small) is not None
-        assert lean.lean_applies(model, cache, wide) is None  # too many queries for the attention kernel
+        assert lean.lean_applies(model, cache, wide) is None  # too many rows for the kernels
         batch = torch.zeros(2, 12, dtype=torch.long)  # 24 rows: past the limit where bf16 is native
         for native in (True, False):
             with monkeypatch.context() as m:
                 m.setattr(kernels, "native_bf16_matmul", lambda device_type="cpu", native=native: native)
                 assert lean.lean_max_rows() == (lean.LEAN_MAX_ROWS_NATIVE if native else kernels.FUSED_MAX_ROWS)
                 assert lean.lean_applies(model, cache, wide[:, :16]) is not None
+                # a tree of more nodes than the HF route's attention kernel takes stays on the kernels
+                tree = wide[:, : kernels.FUSED_ATTENTION_MAX_QUERIES + 8]
+                assert (lean.lean_applies(model, cache, tree) is None) == native
                 assert (lean.lean_applies(model, new_cache(model, 64), batch) is None) == native
         monkeypatch.setenv(lean.LEAN_ENV, "0")
         assert lean.lean_applies(model, cache, small) is None

@@ -7,7 +7,9 @@
 // read of keys and values). Here every key and value row is widened to fp32 in registers as it is
 // read; scores, softmax and the weighted sum run in fp32 for a tile of query rows at once, so the
 // cache streams from memory once per (batch row, KV head) and query block. Grouped-query attention is
-// native: the query heads of one KV head share its rows. Results are rounded to bf16 at the end.
+// native: the query heads of one KV head share its rows. Results are rounded to bf16 at the end, and
+// a row's result depends only on the keys it sees, in order (below): tree verification in bf16 gives
+// the tokens of plain decoding.
 // Built into one module with the other kernels (kernels.h) by selfdraft/kernels.py.
 #include "kernels.h"
 
@@ -56,11 +58,42 @@ struct MaskRow {
   }
 };
 
-// R query rows (fp32, pre-scaled, in qf with row stride d) against keys 0..L-1: scores s[r * L + j].
+// A query row's output depends only on the sequence of keys it can see, not on where they sit or on
+// what else is in the call: the same keys in the same order give the same bits, whether read in a
+// one-token step (the cache, then the token) or in a tree verification (ancestors spread among
+// branches the row cannot see, more keys after it, other query rows in the tile). Keys a row cannot
+// see (additive bf16 minimum, -inf, bool False) get weight exactly 0, so every sum below runs over
+// the keys in order and adds only exact zeros for them: the softmax's sum is one chain in key order
+// (not lanes by position), the exp is the same vector function for every key (the scores padded to
+// whole vectors), the weighted values sum each feature in key order. Speculative greedy decoding in
+// bf16 then reproduces plain decoding token for token (tests/test_kernels.py, tests/test_smollm2.py).
+constexpr int kTile = 4;  // query rows sharing each key / value row read
+
+// R query rows (fp32, pre-scaled, in qf with row stride d) against keys 0..L-1: scores s[r * ls + j],
+// each row's additive mask added.
 template <int R>
 void scores(const float* qf, int64_t d, const uint16_t* k, int64_t k_stride, int64_t L, const MaskRow* masks,
-            float* s) {
-  for (int64_t j = 0; j < L; ++j) {
+            float* s, int64_t ls) {
+  int64_t j = 0;
+  for (; j + 2 <= L; j += 2) {  // two keys at a time: twice the independent FMA chains
+    const uint16_t* ka = k + j * k_stride;
+    const uint16_t* kb = ka + k_stride;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) {
+      const __m256 va = load_bf16x8(ka + c), vb = load_bf16x8(kb + c);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_loadu_ps(qf + r * d + c);
+        acc[r][0] = _mm256_fmadd_ps(qv, va, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(qv, vb, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      s[r * ls + j] = hsum(acc[r][0]);
+      s[r * ls + j + 1] = hsum(acc[r][1]);
+    }
+  }
+  for (; j < L; ++j) {  // the same sum for a last odd key
     const uint16_t* kj = k + j * k_stride;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -68,63 +101,81 @@ void scores(const float* qf, int64_t d, const uint16_t* k, int64_t k_stride, int
       const __m256 kv = load_bf16x8(kj + c);
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * d + c), kv, acc[r]);
     }
-    for (int r = 0; r < R; ++r) s[r * L + j] = hsum(acc[r]) + (masks[r].data ? masks[r].at(j) : 0.0f);
+    for (int r = 0; r < R; ++r) s[r * ls + j] = hsum(acc[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    if (!masks[r].data) continue;
+    float* sr = s + r * ls;
+    int64_t t = 0;
+    if (masks[r].dtype == at::kBFloat16) {
+      const uint16_t* mr = static_cast<const uint16_t*>(masks[r].data);
+      for (; t + 8 <= L; t += 8) _mm256_storeu_ps(sr + t, _mm256_add_ps(_mm256_loadu_ps(sr + t), load_bf16x8(mr + t)));
+    } else if (masks[r].dtype == at::kFloat) {
+      const float* mr = static_cast<const float*>(masks[r].data);
+      for (; t + 8 <= L; t += 8) _mm256_storeu_ps(sr + t, _mm256_add_ps(_mm256_loadu_ps(sr + t), _mm256_loadu_ps(mr + t)));
+    }
+    for (; t < L; ++t) sr[t] += masks[r].at(t);
   }
 }
 
-// In place: s <- exp(s - max), returns the sum (0 when every key is masked out with -inf).
+// In place over one row's L scores (room for L rounded up to whole vectors): s <- exp(s - max); returns
+// the sum of the terms, one chain in key order (0 when every key is masked out with -inf: then s is 0).
 float softmax_numerators(float* s, int64_t L) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);
+  const int64_t padded = (L + 7) / 8 * 8;
+  for (int64_t j = L; j < padded; ++j) s[j] = -std::numeric_limits<float>::infinity();
+  __m256 mv8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < padded; j += 8) mv8 = _mm256_max_ps(mv8, _mm256_loadu_ps(s + j));
+  alignas(32) float m8[8];
+  _mm256_store_ps(m8, mv8);
+  float m = m8[0];
+  for (int e = 1; e < 8; ++e) m = std::max(m, m8[e]);
   if (m == -std::numeric_limits<float>::infinity()) {
     for (int64_t j = 0; j < L; ++j) s[j] = 0.0f;
     return 0.0f;
   }
   const __m256 mv = _mm256_set1_ps(m);
-  __m256 total = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= L; j += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-    _mm256_storeu_ps(s + j, e);
-    total = _mm256_add_ps(total, e);
-  }
-  float sum = hsum(total);
-  for (; j < L; ++j) {
-    s[j] = std::exp(s[j] - m);
-    sum += s[j];
-  }
-  return sum;
+  for (int64_t j = 0; j < padded; j += 8)
+    _mm256_storeu_ps(s + j, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
+  float total = 0.0f;
+  for (int64_t j = 0; j < L; ++j) total += s[j];
+  return total;
 }
 
-// R rows of weights p (row stride L) times values 0..L-1, divided by each row's sum: out rows (bf16).
-template <int R>
-void weighted_values(const float* p, int64_t L, const float* sums, const uint16_t* v, int64_t v_stride, int64_t d,
-                     at::BFloat16* const* out) {
-  for (int64_t c = 0; c < d; c += 8) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < L; ++j) {
-      const __m256 vv = load_bf16x8(v + j * v_stride + c);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * L + j]), vv, acc[r]);
-    }
+// acc[r * d + c] = sum_j p[r * lp + j] v[j, c] over L value rows, for features c0 .. c0 + 8A - 1: the keys
+// outermost, R * A independent accumulators (no chain through the keys' latency); each feature sums
+// its keys in key order whatever R and A are.
+template <int R, int A>
+void weighted_values(const float* p, int64_t lp, int64_t L, const uint16_t* v, int64_t v_stride, int64_t d, int64_t c0,
+                     float* acc) {
+  __m256 a[R][A];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < A; ++t) a[r][t] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    __m256 vv[A];
+    for (int t = 0; t < A; ++t) vv[t] = load_bf16x8(v + j * v_stride + c0 + 8 * t);
     for (int r = 0; r < R; ++r) {
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, _mm256_mul_ps(acc[r], _mm256_set1_ps(sums[r] > 0 ? 1.0f / sums[r] : 0.0f)));
-      for (int t = 0; t < 8; ++t) out[r][c + t] = static_cast<at::BFloat16>(tmp[t]);
+      const __m256 pr = _mm256_broadcast_ss(p + r * lp + j);
+      for (int t = 0; t < A; ++t) a[r][t] = _mm256_fmadd_ps(pr, vv[t], a[r][t]);
     }
   }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < A; ++t) _mm256_storeu_ps(acc + r * d + c0 + 8 * t, a[r][t]);
 }
-
-constexpr int kTile = 4;          // query rows sharing each key / value row read
-constexpr int64_t kBlockRows = 8;  // query rows of one (batch row, KV head) per parallel task
 
 template <int R>
 void tile(const float* qf, int64_t d, const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs, int64_t L,
-          const MaskRow* masks, float* s, at::BFloat16* const* out) {
-  scores<R>(qf, d, k, ks, L, masks, s);
+          const MaskRow* masks, float* s, int64_t ls, float* acc, at::BFloat16* const* out) {
+  scores<R>(qf, d, k, ks, L, masks, s, ls);
   float sums[R];
-  for (int r = 0; r < R; ++r) sums[r] = softmax_numerators(s + r * L, L);
-  weighted_values<R>(s, L, sums, v, vs, d, out);
+  for (int r = 0; r < R; ++r) sums[r] = softmax_numerators(s + r * ls, L);
+  constexpr int A = R <= 2 ? 4 : 2;  // R * A accumulators, A values and a broadcast within the 16 registers
+  int64_t c = 0;
+  for (; c + 8 * A <= d; c += 8 * A) weighted_values<R, A>(s, ls, L, v, vs, d, c, acc);
+  for (; c < d; c += 8) weighted_values<R, 1>(s, ls, L, v, vs, d, c, acc);
+  for (int r = 0; r < R; ++r) {
+    const float inv = sums[r] > 0 ? 1.0f / sums[r] : 0.0f;
+    for (int64_t e = 0; e < d; ++e) out[r][e] = static_cast<at::BFloat16>(acc[r * d + e] * inv);
+  }
 }
 
 }  // namespace
@@ -152,7 +203,14 @@ at::Tensor bf16_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
                 "mask must be float32, bfloat16 (additive) or bool (True = attend)");
     if (m.stride(3) != 1) m = m.contiguous();
   }
-  const int64_t G = H / Hk, rows = G * n, blocks = (rows + kBlockRows - 1) / kBlockRows;
+  const int64_t G = H / Hk, rows = G * n;
+  // query rows of one (batch row, KV head) per task: up to two tiles, fewer where that would leave a
+  // thread idle (a one-token step has only G rows per KV head; Gemma-3 has one KV head). A row's result
+  // does not depend on its task or tile, so this may follow the thread count.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t per = std::max<int64_t>(1, std::min<int64_t>(2 * kTile, (B * Hk * rows + threads - 1) / threads));
+  const int64_t blocks = (rows + per - 1) / per;
+  const int64_t ls = (L + 7) / 8 * 8;  // a row's scores, padded to whole vectors
   at::Tensor out = at::empty({B, n, H, d}, q.options());
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
@@ -163,20 +221,20 @@ at::Tensor bf16_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const char* mp = m.defined() ? static_cast<const char*>(m.data_ptr()) : nullptr;
 
   at::parallel_for(0, B * Hk * blocks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(kTile * d), s(kTile * L);
+    std::vector<float> qf(kTile * d), s(kTile * ls), acc(kTile * d);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / (Hk * blocks), hk = task / blocks % Hk, blk = task % blocks;
       const uint16_t* kb = kp + b * k.stride(0) + hk * k.stride(1);
       const uint16_t* vb = vp + b * v.stride(0) + hk * v.stride(1);
-      const int64_t r1 = std::min(rows, (blk + 1) * kBlockRows);
-      for (int64_t r0 = blk * kBlockRows; r0 < r1; r0 += kTile) {
+      const int64_t r1 = std::min(rows, (blk + 1) * per);
+      for (int64_t r0 = blk * per; r0 < r1; r0 += kTile) {
         const int R = static_cast<int>(std::min<int64_t>(kTile, r1 - r0));
         MaskRow masks[kTile];
         at::BFloat16* outs[kTile];
         for (int r = 0; r < R; ++r) {
           const int64_t row = r0 + r, h = hk * G + row / n, i = row % n;  // query row = (head in group, position)
           const uint16_t* qr = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
-          for (int64_t c = 0; c < d; ++c) qf[r * d + c] = bf16_to_float(qr[c]) * fscale;
+          for (int64_t e = 0; e < d; ++e) qf[r * d + e] = bf16_to_float(qr[e]) * fscale;
           if (mp) {
             const int64_t mb = m.size(0) == 1 ? 0 : b, mh = m.size(1) == 1 ? 0 : h;
             masks[r].data = mp + (mb * m.stride(0) + mh * m.stride(1) + i * m.stride(2)) * melem;
@@ -184,11 +242,13 @@ at::Tensor bf16_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
           }
           outs[r] = op + ((b * n + i) * H + h) * d;
         }
+        const float* qd = qf.data();
+        float *sd = s.data(), *ad = acc.data();
         switch (R) {
-          case 4: tile<4>(qf.data(), d, kb, k.stride(2), vb, v.stride(2), L, masks, s.data(), outs); break;
-          case 3: tile<3>(qf.data(), d, kb, k.stride(2), vb, v.stride(2), L, masks, s.data(), outs); break;
-          case 2: tile<2>(qf.data(), d, kb, k.stride(2), vb, v.stride(2), L, masks, s.data(), outs); break;
-          default: tile<1>(qf.data(), d, kb, k.stride(2), vb, v.stride(2), L, masks, s.data(), outs); break;
+          case 4: tile<4>(qd, d, kb, k.stride(2), vb, v.stride(2), L, masks, sd, ls, ad, outs); break;
+          case 3: tile<3>(qd, d, kb, k.stride(2), vb, v.stride(2), L, masks, sd, ls, ad, outs); break;
+          case 2: tile<2>(qd, d, kb, k.stride(2), vb, v.stride(2), L, masks, sd, ls, ad, outs); break;
+          default: tile<1>(qd, d, kb, k.stride(2), vb, v.stride(2), L, masks, sd, ls, ad, outs); break;
         }
       }
     }
