@@ -83,10 +83,13 @@ AVX512_ENV = "SELFDRAFT_AVX512_BF16"
 """Set to 0 to keep the product kernel on its AVX2 path where the CPU has AVX512-BF16 (comparisons);
 by default bf16 inputs there take the VDPBF16PS path (csrc/bf16_linear_avx512.cpp)."""
 FUSED_ATTENTION_MAX_QUERIES = 16
-"""Most query positions (per row) an attention call takes through the fused kernel. On the 2-core AVX2
-machine, 9 query heads over 3 KV heads and 400 cached positions: 1 query 0.04 vs 0.41 ms (PyTorch's
-bf16 SDPA), 9 queries 0.22 vs 0.27 ms, 48 queries 1.03 vs 0.71 ms; a 48-row decode step over 640
-positions 2.3 vs 23 ms per layer."""
+"""Most query positions (per row) an attention call through Hugging Face's attention interface (the
+model's own forward, the draft heads' modules) takes through the fused kernel; the lean forward
+(selfdraft/lean_forward.py) gives the kernel every forward it takes, up to ``lean_max_rows()`` tokens,
+so that a tree's rows round as plain decoding's one-token steps do. On the 2-core AVX2 machine, 9
+query heads over 3 KV heads and 400 cached positions: 1 query 0.04 vs 0.41 ms (PyTorch's bf16 SDPA),
+9 queries 0.22 vs 0.27 ms, 48 queries 1.03 vs 0.71 ms; a 48-row decode step over 640 positions 2.3 vs
+23 ms per layer. Since the forty-first session's kernel, 48 queries over 1,000 keys 2.9 vs 2.6 ms."""
 ATTENTION_NAME = "selfdraft_bf16"
 """Name the fused attention is registered under in Hugging Face's attention interface."""
 KERNEL_SOURCES = (
