@@ -21,7 +21,7 @@ from selfdraft.kernels import (
     resolve_mixed_precision,
     upcast_linear,
 )
-from selfdraft.tree import chain_tree
+from selfdraft.tree import chain_tree, tree_from_parents
 
 
 def fp32_reference(x, w, b=None):
@@ -363,25 +363,21 @@ def test_fused_attention_rows_do_not_depend_on_the_other_rows(hk, d):
     kernel = fused()
     torch.manual_seed(d)
     n, h = 7, 3 * hk
-    parent = [-1, 0, 0, 1, 2, 2, 4]  # a draft tree: row i sees the cache, its ancestors and itself
+    tree = tree_from_parents([-1, 0, 0, 1, 2, 2, 4])  # row i sees the cache, its ancestors and itself
     k = torch.randn(1, hk, 160 + n, d).bfloat16()
     v = torch.randn(1, hk, 160 + n, d).bfloat16()
     for start in range(1, 160, 1 if d == 64 else 3):
         q = torch.randn(1, n, h, d).bfloat16().transpose(1, 2) * 3
         visible = torch.zeros(1, 1, n, start + n, dtype=torch.bool)
         visible[..., :start] = True
-        for i in range(n):
-            j = i
-            while j >= 0:
-                visible[0, 0, i, start + j] = True
-                j = parent[j]
+        visible[0, 0, :, start:] = tree.ancestors
         additive = torch.zeros(visible.shape, dtype=torch.bfloat16).masked_fill_(~visible, torch.finfo(torch.bfloat16).min)
         for mask in (additive, visible):
-            tree = kernel.bf16_attention(q, k[:, :, : start + n], v[:, :, : start + n], mask, d**-0.5)
+            together = kernel.bf16_attention(q, k[:, :, : start + n], v[:, :, : start + n], mask, d**-0.5)
             for i in range(n):
                 seen = visible[0, 0, i].nonzero().flatten()  # the plain step's keys, in order
                 alone = kernel.bf16_attention(q[:, :, i : i + 1], k[:, :, seen], v[:, :, seen], None, d**-0.5)
-                assert torch.equal(tree[:, i], alone[:, 0]), f"cache {start}, row {i}, mask {mask.dtype}"
+                assert torch.equal(together[:, i], alone[:, 0]), f"cache {start}, row {i}, mask {mask.dtype}"
 
 
 def test_draft_head_attention_takes_the_kernel_for_bf16_steps_only(monkeypatch):
