@@ -58,8 +58,11 @@ for r in rows:
         what = "EAGLE-3 head + prompt lookup" if r["decoder"].endswith(",lookup=10") else "EAGLE-3 head"
         drafting = (f"drafted on {100 * r['drafted_frac']:.0f}% of steps (tau {r['tau_drafting']:.2f} on those)"
                     if r.get("tau_drafting") else "drafted on no step")
+        same = ("the same tokens as plain decoding in every reply" if r["identical_frac"] == 1 else
+                f"the same tokens as plain decoding in {100 * r['identical_frac']:.0f}% of replies, for the first "
+                f"{100 * r['mean_match_prefix']:.0f}% of each on average (bf16: forwards of different sizes can "
+                f"round differently on this CPU; identical in fp32)")
         print(f"[main job] {what}: tau {r['tau']:.2f}, {r['tokens_per_s']:.1f} tok/s = {r['speedup_vs_hf']:.2f}x HF "
-              f"generate ({hf['tokens_per_s']:.1f} tok/s); {drafting}; same tokens as plain decoding for the first "
-              f"{100 * r['mean_match_prefix']:.0f}% of each reply on average (bf16 rounding; identical in fp32)")
+              f"generate ({hf['tokens_per_s']:.1f} tok/s); {drafting}; {same}")
 print(f"[main job] {(time.time() - int(sys.argv[2])) / 60:.1f} min end to end")
 PY

@@ -27,6 +27,7 @@ from selfdraft.assets import package_file
 from selfdraft.config import opt
 from selfdraft.data import has_chat_template, json_lines, reply_content
 from selfdraft.drafters import build_drafter
+from selfdraft.gate import SpeculationGate
 from selfdraft.generate import ContextLengthError, GenerationConfig, generate
 from selfdraft.kernels import cpu_report
 from selfdraft.prefix_cache import PrefixCache
@@ -271,7 +272,8 @@ class DecoderRun:
     """One decoder of a benchmark: built once outside the timed region and warmed up, then run
     conversation by conversation (so several decoders can take turns on the same prompts)."""
 
-    def __init__(self, target: Target, spec: str, cfg: GenerationConfig, warmup: list[int], prefix_cache: bool = False):
+    def __init__(self, target: Target, spec: str, cfg: GenerationConfig, warmup: list[int], prefix_cache: bool = False,
+                 carry_gate: bool = True):
         name, options = parse_decoder(spec)
         self.target, self.cfg = target, cfg
         self.hf = name in ("hf", "hf_prompt_lookup")
@@ -280,6 +282,9 @@ class DecoderRun:
         # built once; generate() resets it for every prompt
         temperature = cfg.sampling.temperature  # a head picks the tree tuned for it
         self.drafter = None if self.hf or name == "plain" else build_drafter(name, target.model, temperature, **options)
+        # one speculation gate over the warm-up and every reply, as a chat or a server keeps one (None: a
+        # fresh gate per reply, made by generate)
+        self.gate = SpeculationGate(cfg.probe_every) if carry_gate and cfg.auto_off and self.drafter is not None else None
         self.result = DecoderResult(decoder=spec)
         self.turns = 0
         self.generate(warmup, 0)
@@ -290,7 +295,7 @@ class DecoderRun:
             return _hf_generate(self.target, ids, self.cfg, lookup=self.hf_lookup, seed=seed), None
         run_cfg = GenerationConfig(**{**asdict(self.cfg), "sampling": self.cfg.sampling, "seed": seed})
         out = generate(self.target.model, ids, self.drafter, run_cfg, eos_token_ids=self.target.eos_token_ids,
-                       prefix_cache=prefix_cache)
+                       prefix_cache=prefix_cache, gate=self.gate)
         return out.tokens, out.stats
 
     def run(self, conv: Conversation, number: int, reference: list[list[int]] | None,
@@ -369,13 +374,16 @@ def run_benchmark(
     progress: bool = False,
     auto_off: bool = False,
     prefix_cache: bool = False,
+    carry_gate: bool = True,
 ) -> list[dict]:
     """Benchmark every decoder; the plain decoder (run first) is the greedy reference.
 
     ``prompts`` are single-turn strings or :class:`Conversation` records; ``progress`` draws a bar
     over (decoder, turn) pairs on stderr; ``auto_off`` lets this project's drafters decode plainly
     while speculation measures slower (:class:`~selfdraft.gate.SpeculationGate`); ``prefix_cache``: this
-    project's decoders prefill only each later turn's new tokens (HF generate prefills every turn whole).
+    project's decoders prefill only each later turn's new tokens (HF generate prefills every turn whole);
+    ``carry_gate``: with ``auto_off``, each drafter keeps one gate from its warm-up on (what it measured
+    on earlier replies decides the next one's first steps), else each reply starts a fresh gate.
     """
     convs = [p if isinstance(p, Conversation) else Conversation((p,)) for p in prompts]
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, auto_off=auto_off)
@@ -383,7 +391,7 @@ def run_benchmark(
         _check_fits(target, target.encode_chat(conv.messages([])), cfg, n, 1)
     order = (["plain"] if "plain" in decoders else []) + [d for d in decoders if d != "plain"]
     warmup = target.encode_chat(convs[0].messages([]))[:32]
-    runs = {spec: DecoderRun(target, spec, cfg, warmup, prefix_cache) for spec in order}
+    runs = {spec: DecoderRun(target, spec, cfg, warmup, prefix_cache, carry_gate) for spec in order}
     reference = runs["plain"].result.outputs if "plain" in runs else None
     num_turns = sum(len(c.turns) for c in convs)
     with bar(len(order) * num_turns, "bench", progress, unit="turn") as pbar:
@@ -423,6 +431,9 @@ class BenchConfig:
     prefix_cache: bool = opt(False, "multi-turn sets: this project's decoders reuse the conversation's KV from "
                                     "the last turn and prefill only the new tokens (HF generate prefills every "
                                     "turn whole; false: so do ours)")
+    carry_gate: bool = opt(True, "with auto_off, each drafter keeps one speculation gate over all replies (as chat "
+                                 "does): what it measured on earlier replies decides the next one's first steps; "
+                                 "false: each reply starts a fresh gate")
     out: str = opt("outputs/bench.json", "where to write the JSON results")
     plots: str = opt("", "folder for PNG plots (accept lengths, acceptance by depth, speedup); '' = none")
 
@@ -480,7 +491,7 @@ def main(cfg: BenchConfig, quiet: bool = False, as_json: bool = False) -> list[d
     for t in temperatures(cfg):
         part = run_benchmark(target, convs, list(cfg.decoders), cfg.max_new_tokens,
                              SamplingConfig(t, cfg.top_k, cfg.top_p), None, meta, progress=not quiet,
-                             auto_off=cfg.auto_off, prefix_cache=cfg.prefix_cache)
+                             auto_off=cfg.auto_off, prefix_cache=cfg.prefix_cache, carry_gate=cfg.carry_gate)
         for row in part:
             row["temperature"] = t
         rows.extend(part)

@@ -24,6 +24,7 @@ from selfdraft.config import ConfigError, add_arguments, from_args, opt
 if TYPE_CHECKING:
     from selfdraft.benchmark import BenchConfig
     from selfdraft.drafters.base import Drafter
+    from selfdraft.gate import SpeculationGate
     from selfdraft.generate import GenerationConfig, GenerationOutput
     from selfdraft.prefix_cache import PrefixCache
     from selfdraft.target import Target
@@ -146,7 +147,7 @@ def _load(cfg: DecodeConfig, out: Output) -> tuple[Target, Drafter | None, Gener
 
 def _reply(
     target: Target, ids: list[int], drafter: Drafter | None, gen_cfg: GenerationConfig, show_draft: bool, live: bool,
-    prefix_cache: PrefixCache | None = None,
+    prefix_cache: PrefixCache | None = None, gate: SpeculationGate | None = None,
 ) -> tuple[GenerationOutput, list[str]]:
     """Generate one reply, streaming it to stdout when ``live``; returns (output, per-token texts)."""
     from selfdraft.generate import generate
@@ -163,7 +164,7 @@ def _reply(
             sys.stdout.flush()
 
     result = generate(target.model, ids, drafter, gen_cfg, target.eos_token_ids, target.tokenizer, stream,
-                      prefix_cache)
+                      prefix_cache, gate)
     if live:
         print()
     return result, pieces
@@ -252,12 +253,14 @@ def run_generate(cfg: GenerateConfig, out: Output) -> None:
 def run_chat(cfg: ChatConfig, out: Output) -> None:
     """Multi-turn REPL over stdin: each line is a user turn; /reset clears the history, /quit or EOF ends."""
     from selfdraft.data import has_chat_template, reply_content
+    from selfdraft.gate import SpeculationGate
     from selfdraft.generate import ContextLengthError
     from selfdraft.prefix_cache import PrefixCache
     from selfdraft.show import ansi_legend
 
     target, drafter, gen_cfg = _load(cfg, out)
     history = PrefixCache()  # the KV of the conversation so far: each turn prefills only its new tokens
+    gate = SpeculationGate(gen_cfg.probe_every)  # what speculation measured here carries from turn to turn
     chat = has_chat_template(target.tokenizer)  # how a reply goes back into the history (reply_content)
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": cfg.system}] if cfg.system else []
@@ -291,7 +294,8 @@ def run_chat(cfg: ChatConfig, out: Output) -> None:
         ids = target.encode_chat(messages)
         turn_cfg = dataclasses.replace(gen_cfg, seed=cfg.seed + turn)
         try:
-            result, pieces = _reply(target, ids, drafter, turn_cfg, out.show_draft, live=True, prefix_cache=history)
+            result, pieces = _reply(target, ids, drafter, turn_cfg, out.show_draft, live=True, prefix_cache=history,
+                                    gate=gate)
         except ContextLengthError as err:
             messages.pop()
             print(f"selfdraft: error: {err} (/reset clears the history)", file=sys.stderr)

@@ -45,6 +45,13 @@ free member has a draft, the loop may verify the merged tree (the head's nodes i
 member's draft alone (no head forward, a smaller tree). Each alternative is a kind of its own; the
 gate runs the one with the best optimistic rate while that beats plain decoding, and the ones not run
 age as a plain step ages the kind it replaced, so a losing alternative is probed again.
+
+One gate can serve many replies (a chat's turns, a benchmark's prompts, a server's requests):
+:func:`selfdraft.generate.generate` takes it as ``gate=``, and what it measured on earlier replies
+decides the next reply's first steps, so a drafter that does not pay here is not drafted twice at
+the start of every reply to find that out again (``WARMUP``). Step times and acceptance belong to one
+model, drafter and sampling configuration: :meth:`SpeculationGate.bind` refuses a gate measured for
+another.
 """
 
 from __future__ import annotations
@@ -189,6 +196,19 @@ class SpeculationGate:
         """(batch size, kind) -> drafting estimate."""
         self.plain: dict[int, _Plain] = {}
         """batch size -> plain-step estimate."""
+        self.owner: tuple | None = None
+        """What the measurements belong to (:meth:`bind`); None until first bound."""
+
+    def bind(self, owner: tuple, what: str = "") -> None:
+        """Tie the gate to ``owner`` (a tuple identifying the model, drafter and sampling it measures)
+        on first use; raise if it was bound to another, since its step times and acceptance would not
+        describe this one. ``what`` names the owner in the error."""
+        if self.owner is None:
+            self.owner = owner
+        elif self.owner != owner:
+            raise ValueError(f"this SpeculationGate measured another model, drafter or sampling configuration "
+                             f"({what or 'owner differs'}); keep one gate per (model, drafter, sampling) and pass "
+                             f"a new SpeculationGate() for this one")
 
     def _at(self, rows: int, kind: object) -> tuple[_Stats, _Plain]:
         return self.stats.setdefault((rows, kind), _Stats()), self.plain.setdefault(rows, _Plain())

@@ -158,13 +158,17 @@ def generate(
     tokenizer: object | None = None,
     on_tokens: Callable[[list[int], list[str]], None] | None = None,
     prefix_cache: PrefixCache | None = None,
+    gate: SpeculationGate | None = None,
 ) -> GenerationOutput:
     """Generate up to ``cfg.max_new_tokens`` tokens after ``prompt`` (token ids).
 
     With ``drafter=None`` this is plain decoding. ``on_tokens(tokens, sources)`` is called with each
     step's newly committed tokens (for streaming). ``tokenizer`` is needed for stop strings.
     ``prefix_cache`` (a chat's): the prompt's longest prefix shared with the sequence it holds is not
-    prefilled again, and it holds this call's sequence afterwards.
+    prefilled again, and it holds this call's sequence afterwards. ``gate`` (with ``cfg.auto_off`` and a
+    drafter; a chat's or a benchmark's): the speculation gate to consult and update, so what it measured
+    on earlier replies with this model, drafter and sampling carries over (each call makes its own by
+    default; ``cfg.probe_every`` then applies, a given gate keeps its own).
     """
     if cfg.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to decode the text")
@@ -178,7 +182,13 @@ def generate(
     if not cfg.sampling.greedy or cfg.acceptance == "typical":
         generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     hidden_layers = tuple(getattr(drafter, "hidden_layers", ()))
-    gate = SpeculationGate(cfg.probe_every) if cfg.auto_off and drafter is not None else None
+    if not cfg.auto_off or drafter is None:
+        gate = None
+    elif gate is None:
+        gate = SpeculationGate(cfg.probe_every)
+    else:
+        gate.bind((id(model), id(drafter), cfg.sampling, cfg.acceptance),
+                  f"now {type(drafter).__name__} at {cfg.sampling}, acceptance {cfg.acceptance!r}")
     shadow_free = gate is not None and getattr(drafter, "proposes_for_free", False)
     shadow: ShadowDraft | None = None
     shadow_kind = None

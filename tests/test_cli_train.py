@@ -145,7 +145,8 @@ def test_main_job_script_trains_tunes_and_reports(tiny_target_dir, data_file, tm
     assert (tmp_path / "job" / "head" / "tune.json").is_file()
     summary = [line for line in proc.stdout.splitlines() if line.startswith("[main job]")]
     assert len(summary) == 4 and summary[0].startswith("[main job] head trained 2 steps on "), proc.stdout[-2000:]
-    assert all(" tau " in s and "x HF generate" in s for s in summary[1:3]), proc.stdout[-2000:]
+    assert all(" tau " in s and "x HF generate" in s and "the same tokens as plain decoding" in s for s in summary[1:3]), \
+        proc.stdout[-2000:]
     assert "min end to end" in summary[3]
     rows = json.loads((tmp_path / "job" / "bench.json").read_text())["results"]
     head = f"head:path={tmp_path / 'job'}/head"

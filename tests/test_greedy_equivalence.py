@@ -190,6 +190,40 @@ def test_speculation_gate_keeps_output_and_switches_a_losing_drafter_off(models)
     assert row["tau"] == pytest.approx(pooled) and row["tau_prompt_mean"] == pytest.approx((o.tau + s.tau) / 2), row
 
 
+def test_a_gate_carried_across_replies_skips_the_warm_up_it_has_done(models):
+    """Guards generate(gate=...): a gate kept over replies (chat, bench) does not draft a losing drafter
+    again at the start of the next reply, as a fresh gate must (WARMUP drafting steps), keeps an
+    all-accepted drafter drafting, leaves the output plain greedy's, and refuses another drafter or
+    sampling configuration."""
+    from selfdraft.gate import WARMUP, SpeculationGate
+    from selfdraft.sampling import SamplingConfig
+
+    model = models["llama"]
+    prompts = [random_prompt(12, 5), random_prompt(9, 6)]
+    n = 40
+    refs = [plain(model, p, n).tokens for p in prompts]
+    cfg = GenerationConfig(max_new_tokens=n, auto_off=True, probe_every=8)
+    slow = SlowRandomDrafter(prompts[0] + refs[0], "random", VOCAB, seed=1)
+    gate = SpeculationGate(cfg.probe_every)
+    first = generate(model, prompts[0], slow, cfg, gate=gate)
+    fresh = generate(model, prompts[1], slow, cfg)
+    carried = generate(model, prompts[1], slow, cfg, gate=gate)
+    assert first.tokens == refs[0] and fresh.tokens == carried.tokens == refs[1]
+    assert fresh.stats.draft_steps >= WARMUP > carried.stats.draft_steps, (fresh.stats.draft_steps, carried.stats.draft_steps)
+    oracle_gate = SpeculationGate(cfg.probe_every)
+    oracle = ScriptedDrafter(prompts[0] + refs[0], "oracle", VOCAB, seed=1)
+    generate(model, prompts[0], oracle, cfg, gate=oracle_gate)
+    again = generate(model, prompts[0], oracle, cfg, gate=oracle_gate)
+    assert again.tokens == refs[0]
+    # no second round of warm-up plain steps: plain only for the 1-in-8 re-measurements and a last step
+    assert again.stats.draft_steps >= again.stats.steps - (again.stats.steps // 8 + 1), again.stats
+    with pytest.raises(ValueError, match="one gate per"):
+        generate(model, prompts[1], oracle, cfg, gate=gate)  # the gate measured `slow`
+    sampled = GenerationConfig(max_new_tokens=n, auto_off=True, sampling=SamplingConfig(1.0), seed=0)
+    with pytest.raises(ValueError, match="one gate per"):
+        generate(model, prompts[1], slow, sampled, gate=gate)
+
+
 def test_shadow_drafts_score_what_verification_accepts(models, monkeypatch):
     """Guards the gate's shadow drafts (a free drafter proposing while plain steps run): each shadow
     score equals what verifying the same draft accepts, and the output stays plain greedy's."""
