@@ -283,8 +283,8 @@ class DecoderRun:
         temperature = cfg.sampling.temperature  # a head picks the tree tuned for it
         self.drafter = None if self.hf or name == "plain" else build_drafter(name, target.model, temperature, **options)
         # one speculation gate over the warm-up and every reply, as a chat or a server keeps one (None: a
-        # fresh gate per reply, made by generate)
-        self.gate = SpeculationGate(cfg.probe_every) if carry_gate and cfg.auto_off and self.drafter is not None else None
+        # fresh gate per reply); generate consults it only with auto_off and a drafter, as chat's
+        self.gate = SpeculationGate(cfg.probe_every) if carry_gate else None
         self.result = DecoderResult(decoder=spec)
         self.turns = 0
         self.generate(warmup, 0)
