@@ -182,6 +182,46 @@ def test_incremental_pairs_equal_one_shot(models):
     assert (one[5:] - three).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+@pytest.mark.parametrize("outputs_from", [1, 5, 6])
+def test_inputs_before_outputs_from_leave_the_keys_and_values_of_the_whole_layer(models, kind, outputs_from):
+    """Guards the catch-up on committed pairs (``_run(..., outputs_from=n - 1)`` in ``expand``): the
+    inputs whose outputs nothing reads leave in the cache the keys and values that running the whole
+    layer over every input leaves, and the outputs and logits of the rest are the whole layer's."""
+    from selfdraft.drafters.base import StepResult
+    from selfdraft.heads import Eagle1Config, Eagle1Head
+
+    model = models["llama"]
+    if kind == "eagle3":
+        head = make_head(model)
+        width = 3 * model.config.hidden_size
+    else:
+        torch.manual_seed(0)
+        head = Eagle1Head(Eagle1Config.for_target(model), model.get_input_embeddings(), model.get_output_embeddings())
+        with torch.no_grad():
+            for p in head.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        width = model.config.hidden_size
+    n = 7
+    feats, toks, pos = torch.randn(n, width), torch.randint(3, VOCAB, (n,)), torch.arange(n)
+    fake = StepResult(torch.zeros(1, dtype=torch.long), 0, {i: torch.zeros(1, 1, width // len(head.feature_layers))
+                                                            for i in head.feature_layers})
+    whole, part = EagleDrafter(head), EagleDrafter(head)
+    with torch.no_grad():
+        results = []
+        for d, start in ((whole, 0), (part, outputs_from)):
+            d.reset(fake)
+            d.committed = d.kv.length = 0
+            results.append(d._run(head.embed(toks), feats, pos, None, fuse=True, outputs_from=start))
+    (out, logits), (part_out, part_logits) = results
+    assert part_out.shape[0] == part_logits.shape[0] == n - outputs_from
+    assert part.kv.length == whole.kv.length == n
+    for a, b in ((whole.kv.keys, part.kv.keys), (whole.kv.values, part.kv.values)):
+        assert (a[:, :, :n] - b[:, :, :n]).abs().max() < 1e-5
+    assert (out[outputs_from:] - part_out).abs().max() < 1e-5
+    assert (logits[outputs_from:] - part_logits).abs().max() < 1e-4
+
+
 class _AllChildren(EagleDrafter):
     """Generates top_k children of top_k frontier nodes at every depth (EAGLE-2's expansion in full)."""
 
@@ -235,8 +275,8 @@ def test_eagle3_save_load_round_trip(tmp_path):
 def test_eagle_drafter_catches_up_on_a_long_backlog_in_fp32(monkeypatch):
     """Guards the head's products over a long backlog of committed pairs (the prompt after prefill,
     or a stretch the gate decoded plainly): on a CPU without native bf16 they take the fp32 route
-    (PyTorch's bf16 GEMM there is ~5x slower), a step of few pairs does not, and the draft is the
-    one the plain bf16 products give (the same tokens on this head)."""
+    (PyTorch's bf16 GEMM there is ~5x slower), a step of few pairs does not, only the last pair runs
+    the whole layer, and the draft is the one the plain bf16 products give (the same tokens on this head)."""
     import selfdraft.kernels as kernels
     from selfdraft.drafters.base import StepResult
 
@@ -262,7 +302,9 @@ def test_eagle_drafter_catches_up_on_a_long_backlog_in_fp32(monkeypatch):
         drafter.reset(StepResult(prompt, 0, hidden))
         drafts.append(drafter.propose(prompt, SamplingConfig(), None))
         if route:
-            assert routed and set(routed) == {long}, f"the backlog's products must take the fp32 route: {routed}"
+            # fc over every pair, keys and values over all but the last (nothing reads their outputs),
+            # the last pair's layer a one-row step
+            assert sorted(routed) == [long - 1, long - 1, long], f"the backlog's products must take the fp32 route: {routed}"
             routed.clear()
             step = {i: h[:, -1:] for i, h in hidden.items()}
             drafter.update(StepResult(torch.cat([prompt, prompt[-1:]]), 0, step))

@@ -66,8 +66,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("lm_head"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
            pybind11::arg("scale"))
       .def("forward", &selfdraft::Eagle3Step::forward,
-           "the layer over n rows written at cache position start; returns [output (n, hidden), logits of rows logits_from..]",
+           "the layer over n rows written at cache position start; returns [output, logits] of rows outputs_from.. (the rows before only write keys and values)",
            pybind11::arg("emb"), pybind11::arg("feature"), pybind11::arg("fuse"), pybind11::arg("keys"),
            pybind11::arg("values"), pybind11::arg("start"), pybind11::arg("cos"), pybind11::arg("sin"),
-           pybind11::arg("visible"), pybind11::arg("committed"), pybind11::arg("logits_from"));
+           pybind11::arg("visible"), pybind11::arg("committed"), pybind11::arg("outputs_from"));
 }

@@ -41,7 +41,7 @@ std::vector<at::Tensor> Eagle3Step::forward(const at::Tensor& emb, const at::Ten
                                             const at::Tensor& keys, const at::Tensor& values, int64_t start,
                                             const at::Tensor& cos, const at::Tensor& sin,
                                             const c10::optional<at::Tensor>& visible, int64_t committed,
-                                            int64_t logits_from) const {
+                                            int64_t outputs_from) const {
   TORCH_CHECK(emb.dim() == 2 && emb.scalar_type() == at::kBFloat16, "emb must be (rows, hidden) bfloat16");
   const int64_t n = emb.size(0), total = start + n;
   TORCH_CHECK(feature.dim() == 2 && feature.size(0) == n && feature.scalar_type() == at::kBFloat16,
@@ -51,33 +51,43 @@ std::vector<at::Tensor> Eagle3Step::forward(const at::Tensor& emb, const at::Ten
               "keys and values must be (1, ", kv_heads, ", >= ", total, ", ", head_dim, ") buffers, got ", keys.sizes());
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
               "cos and sin must be (rows, head_dim)");
-  TORCH_CHECK(0 <= logits_from && logits_from < n, "logits_from must be in [0, rows)");
+  TORCH_CHECK(0 <= outputs_from && outputs_from < n, "outputs_from must be in [0, rows)");
   TORCH_CHECK(0 <= committed && committed <= start, "committed must be in [0, start]");
+  const int64_t m = n - outputs_from;  // rows whose output is computed; the ones before only leave keys and values
   const at::Tensor f = fuse ? bf16_linear(feature, fc, c10::nullopt) : feature;
   const at::Tensor x = at::cat({apply_norm(emb, input_norm), apply_norm(f, hidden_norm)}, -1);
-  const std::vector<at::Tensor> qkv_out = bf16_linear_many(x, qkv, {});
-  const at::Tensor q = head_rope(qkv_out[0].view({n, heads, head_dim}), cos, sin);
-  const at::Tensor k = head_rope(qkv_out[1].view({n, kv_heads, head_dim}), cos, sin);
+  at::Tensor q_rows, k_rows, v_rows;
+  if (outputs_from == 0) {  // one product call for the three
+    const std::vector<at::Tensor> qkv_out = bf16_linear_many(x, qkv, {});
+    q_rows = qkv_out[0], k_rows = qkv_out[1], v_rows = qkv_out[2];
+  } else {  // a row's product does not depend on the rows beside it (bf16_linear.cpp): the same values
+    const std::vector<at::Tensor> kv_out = bf16_linear_many(x, {qkv[1], qkv[2]}, {});
+    k_rows = kv_out[0], v_rows = kv_out[1];
+    q_rows = bf16_linear(x.narrow(0, outputs_from, m), qkv[0], c10::nullopt);
+  }
+  const at::Tensor q = head_rope(q_rows.view({m, heads, head_dim}), cos.narrow(0, outputs_from, m),
+                                 sin.narrow(0, outputs_from, m));
+  const at::Tensor k = head_rope(k_rows.view({n, kv_heads, head_dim}), cos, sin);
   keys[0].narrow(1, start, n).copy_(k.transpose(0, 1));
-  values[0].narrow(1, start, n).copy_(qkv_out[2].view({n, kv_heads, head_dim}).transpose(0, 1));
+  values[0].narrow(1, start, n).copy_(v_rows.view({n, kv_heads, head_dim}).transpose(0, 1));
   c10::optional<at::Tensor> mask;
-  if (visible.has_value() || n > 1) {  // one committed row sees the whole cache: no mask
-    at::Tensor m = at::ones({n, total}, emb.options().dtype(at::kBool));
+  if (visible.has_value() || m > 1) {  // one committed row, the last, sees the whole cache: no mask
+    at::Tensor mk = at::ones({m, total}, emb.options().dtype(at::kBool));
     if (visible.has_value()) {
       TORCH_CHECK(visible->dim() == 2 && visible->size(0) == n && visible->size(1) == total - committed,
                   "visible must be (rows, tree entries incl. the new rows) = (", n, ", ", total - committed, ")");
-      m.narrow(1, committed, total - committed).copy_(*visible);
+      mk.narrow(1, committed, total - committed).copy_(visible->narrow(0, outputs_from, m));
     } else {  // causal among the new committed rows
-      m.narrow(1, start, n).copy_(at::ones({n, n}, m.options()).tril());
+      mk.narrow(1, start + outputs_from, m).copy_(at::ones({m, m}, mk.options()).tril());
     }
-    mask = m.view({1, 1, n, total});
+    mask = mk.view({1, 1, m, total});
   }
   const at::Tensor a = bf16_attention(q.unsqueeze(0).transpose(1, 2), keys.narrow(2, 0, total),
                                       values.narrow(2, 0, total), mask, scale);
-  at::Tensor h = f + bf16_linear(a.view({n, heads * head_dim}), o, c10::nullopt);
+  at::Tensor h = f.narrow(0, outputs_from, m) + bf16_linear(a.view({m, heads * head_dim}), o, c10::nullopt);
   const std::vector<at::Tensor> gu = bf16_linear_many(apply_norm(h, post_norm), gate_up, {});
   h = h + bf16_linear(at::silu(gu[0]) * gu[1], down, c10::nullopt);
-  at::Tensor logits = bf16_linear(apply_norm(h.narrow(0, logits_from, n - logits_from), final_norm), lm_head, c10::nullopt);
+  at::Tensor logits = bf16_linear(apply_norm(h, final_norm), lm_head, c10::nullopt);
   return {h, logits};
 }
 

@@ -171,15 +171,16 @@ struct DecoderStack {
 // The EAGLE-3 head's drafting step on the kernels (eagle3_step.cpp): for n new (embedding, feature)
 // rows, optionally fuse the target features (fc), run the draft decoder layer (two input norms over the
 // concatenation, q/k/v with the head's rotary embedding, the cache write, attention, o, the MLP) with
-// the feature as the residual stream, and project rows ``logits_from ..`` to the draft vocabulary.
-// Returns {layer output (n, hidden), logits (n - logits_from, draft vocab)}.
+// the feature as the residual stream, and project the outputs to the draft vocabulary. Rows before
+// ``outputs_from`` (committed inputs no output is read of) only write their keys and values.
+// Returns {layer output (n - outputs_from, hidden), logits (n - outputs_from, draft vocab)}.
 struct Eagle3Step {
   Eagle3Step(at::Tensor fc, std::vector<at::Tensor> norms, std::vector<double> eps, std::vector<bool> unit_offset,
              std::vector<at::Tensor> qkv, at::Tensor o, std::vector<at::Tensor> gate_up, at::Tensor down,
              at::Tensor lm_head, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale);
   std::vector<at::Tensor> forward(const at::Tensor& emb, const at::Tensor& feature, bool fuse, const at::Tensor& keys,
                                   const at::Tensor& values, int64_t start, const at::Tensor& cos, const at::Tensor& sin,
-                                  const c10::optional<at::Tensor>& visible, int64_t committed, int64_t logits_from) const;
+                                  const c10::optional<at::Tensor>& visible, int64_t committed, int64_t outputs_from) const;
   at::Tensor fc;
   Norm input_norm, hidden_norm, post_norm, final_norm;
   std::vector<at::Tensor> qkv;

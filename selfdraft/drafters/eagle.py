@@ -38,6 +38,7 @@ class EagleDrafter:
 
     The head provides ``feature_layers``, ``fuse`` (target features -> draft feature), ``project`` /
     ``complete`` (one decoder-layer step split around attention so this drafter owns the KV cache),
+    ``key_values`` (``project``'s keys and values alone, for committed inputs no output is read of),
     ``logits`` and ``draft_ids`` (reduced-vocabulary map, or None for the full vocabulary).
     """
 
@@ -75,9 +76,10 @@ class EagleDrafter:
         self._take(step)
 
     def _run(self, emb: Tensor, feature: Tensor, positions: Tensor, visible_tree: Tensor | None,
-             fuse: bool = False, logits_from: int = 0) -> tuple[Tensor, Tensor]:
-        """Run the layer on n inputs appended to the cache; returns (outputs (n, H), logits of outputs
-        ``logits_from ..``).
+             fuse: bool = False, outputs_from: int = 0) -> tuple[Tensor, Tensor]:
+        """Run the layer on n inputs appended to the cache; returns (outputs, logits) of inputs
+        ``outputs_from ..``: the ones before only leave their keys and values (committed inputs whose
+        output nothing reads: all of a catch-up's but the last).
 
         visible_tree: (n, n_tree_entries) bool over the tree entries already in the cache after the
         committed prefix, or None for committed (causal) inputs. fuse: ``feature`` holds target
@@ -93,24 +95,32 @@ class EagleDrafter:
             start = self.kv.length
             cos, sin = attn.rope(positions)
             out, logits = self.step.forward(emb, feature, fuse, self.kv.keys, self.kv.values, start, cos, sin,
-                                            visible_tree, self.committed, logits_from)
+                                            visible_tree, self.committed, outputs_from)
             self.kv.length = start + n
             return out, logits
         if fuse:
             feature = self.head.fuse(feature)
+        if outputs_from:
+            keys, values = self.head.key_values(emb[None, :outputs_from], feature[None, :outputs_from],
+                                                positions[None, :outputs_from])
+            self.kv.update(keys, values)
+            emb, feature, positions = emb[outputs_from:], feature[outputs_from:], positions[outputs_from:]
+            if visible_tree is not None:
+                visible_tree = visible_tree[outputs_from:]
+        m = emb.shape[0]
         residual, q, k, v = self.head.project(emb[None], feature[None], positions[None])
         start = self.kv.length
         keys, values = self.kv.update(k, v)
-        if visible_tree is None and n == 1:  # one committed input sees the whole cache
+        if visible_tree is None and m == 1:  # one committed input, the last, sees the whole cache
             out = self.head.complete(residual, q, keys, values, None)[0]
-            return out, self.head.logits(out[logits_from:])
-        mask = torch.ones(n, keys.shape[2], dtype=torch.bool, device=emb.device)
+            return out, self.head.logits(out)
+        mask = torch.ones(m, keys.shape[2], dtype=torch.bool, device=emb.device)
         if visible_tree is None:  # causal among the new committed inputs
-            mask[:, start:] = torch.tril(torch.ones(n, n, dtype=torch.bool, device=emb.device))
+            mask[:, start:] = torch.tril(torch.ones(m, m, dtype=torch.bool, device=emb.device))
         else:
             mask[:, self.committed :] = visible_tree
         out = self.head.complete(residual, q, keys, values, mask[None, None])[0]
-        return out, self.head.logits(out[logits_from:])
+        return out, self.head.logits(out)
 
     def children(self, depth: int) -> int:
         """Top-k children per frontier node at loop ``depth`` (0: the root's) of a deterministic tree.
@@ -154,13 +164,13 @@ class EagleDrafter:
         from (zeros for leaves)."""
         head, dev = self.head, self.param.device
         self.kv.length = self.committed  # 4. (of the previous step) drop last step's tree entries
-        # 1. feed committed pairs
+        # 1. feed committed pairs (only the last one's output is read: the root's feature)
         feats, next_tokens = self.pending
         self.pending = None
         n = feats.shape[0]
         positions = torch.arange(self.committed, self.committed + n, device=dev)
         emb = head.embed(next_tokens.to(dev)).to(self.param.dtype)
-        out, logits = self._run(emb, feats.to(self.param.dtype), positions, None, fuse=True, logits_from=n - 1)
+        out, logits = self._run(emb, feats.to(self.param.dtype), positions, None, fuse=True, outputs_from=n - 1)
         self.committed += n
         last_pos = self.committed - 1
         # 2. expand: node 0 is the root (tokens[-1]); generated nodes follow in order

@@ -88,6 +88,10 @@ class Eagle1Head(nn.Module):
         x = self.fc(torch.cat([emb, feature], -1))
         return (x, *self.layers[0].self_attn.project(x, positions))
 
+    def key_values(self, emb: Tensor, feature: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`project`'s keys and values alone, for committed inputs whose outputs nothing reads."""
+        return self.layers[0].self_attn.project_kv(self.fc(torch.cat([emb, feature], -1)), positions)
+
     def complete(self, residual: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """Drafting step, second half: attend over the (cached) keys -> (b, s, H) predicted feature."""
         layer = self.layers[0]

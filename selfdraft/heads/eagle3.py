@@ -69,6 +69,10 @@ class MidLayer(nn.Module):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], -1)
         return self.self_attn.project(x, positions)
 
+    def kv(self, emb: Tensor, feature: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], -1)
+        return self.self_attn.project_kv(x, positions)
+
     def finish(self, feature: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         return self.residual(feature, self.self_attn.attend(q, k, v, mask))
 
@@ -128,6 +132,10 @@ class Eagle3Head(nn.Module):
     def complete(self, residual: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """Drafting step, second half: attend over the (cached) keys -> (b, s, H) output feature."""
         return self.midlayer.finish(residual, q, k, v, mask)
+
+    def key_values(self, emb: Tensor, feature: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`project`'s keys and values alone, for committed inputs whose outputs nothing reads."""
+        return self.midlayer.kv(emb, feature, positions)
 
     def logits(self, h: Tensor) -> Tensor:
         """Draft-vocabulary logits from the layer output."""

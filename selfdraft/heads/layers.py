@@ -92,6 +92,14 @@ class Attention(nn.Module):
         cos, sin = self.rope(positions)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def project_kv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`project` without the queries: the keys and values a committed input leaves in the cache."""
+        b, s, _ = x.shape
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.rope(positions)
+        return apply_rope(k, cos, sin), v
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """q (b, nh, s, hd) over k, v (b, nkv, S, hd) with a (b or 1, 1, s, S) bool mask -> (b, s, hidden).
 
