@@ -174,11 +174,12 @@ def test_tree_forward_with_other_products_matches_bf16_kernels(monkeypatch, rout
     assert agree >= 0.9, f"argmax agreement {agree}"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 9, 13, 16, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 9, 10, 11, 13, 16, 17, 19, 32])
 @pytest.mark.parametrize("k,n", [(64, 48), (20, 7), (96, 101)])
 def test_fused_kernel_is_the_fp32_product_rounded(rows, k, n, product_kernel):
-    """Guards the kernel's paths and edges: row counts (rows and twice rows) that take the stream
-    (1-5) and each row tile with its remainders (6: 4 + 2, 7: 4 + 3, 9: 4 + 4 + 1, ...) on the AVX2 path,
+    """Guards the kernel's paths and edges: row counts (rows and twice rows) that take one stream
+    (1-10), two streams (11-16: 5 + 6 ... 8 + 8) and the row tiles with their remainders (17: 4 x 4 + 1,
+    19: 4 x 4 + 3, 26: 4 x 6 + 2, ...) on the AVX2 path,
     one pass and even passes on the AVX512-BF16 one (13: 7 + 6, 32: 11 + 11 + 10), a k that is not a
     multiple of 8 (scalar tail), feature counts that leave partial tiles and tasks, bias,
     batched input, bf16 and fp32 input."""
@@ -200,8 +201,9 @@ def test_fused_kernel_is_the_fp32_product_rounded(rows, k, n, product_kernel):
 @pytest.mark.parametrize("k", [96, 1152, 20])
 def test_fused_kernel_row_results_do_not_depend_on_the_row_count(k, product_kernel):
     """Guards what greedy exactness rests on: a row's output is bit-identical whether the product has
-    one row (a decode step) or several (a verified tree: on the AVX2 path the stream up to five rows,
-    the row tiles beyond; on the AVX512-BF16 path one pass of up to twelve rows, even passes beyond),
+    one row (a decode step) or several (a verified tree: on the AVX2 path one stream up to ten rows,
+    two up to sixteen, the row tiles beyond; on the AVX512-BF16 path one pass of up to twelve rows,
+    even passes beyond),
     for every row position in a tile or pass and its remainders, with bias and a tail (k = 20: scalar
     on AVX2, masked on AVX512-BF16)."""
     kernel = product_kernel

@@ -31,8 +31,8 @@ inline void store(Out* y, float s, const float* bias, int64_t j) {
 // With `next` (the NT weight rows the following tile reads), those rows are prefetched a cache line
 // at a time as this tile streams its own: a product of a few rows is bound by memory, and the
 // hardware prefetcher alone, following NT interleaved row streams, left it at ~70% of the bandwidth
-// a plain sum reaches here (docs/perf_log.md, twelfth session). Products of one to five rows do
-// better still as one stream (features_stream below); the tiles serve six rows and more.
+// a plain sum reaches here (docs/perf_log.md, twelfth session). Products of one to sixteen rows do
+// better still as one or two streams (features_stream below); the tiles serve more rows.
 template <int MT, int NT, typename Out>
 inline void tile(const float* x, int64_t k, const uint16_t* w, Out* y, int64_t ldy, const float* bias, int64_t j,
                  const uint16_t* next = nullptr) {
@@ -84,25 +84,30 @@ void feature_block(const float* x, int64_t m, const uint16_t* w, int64_t n0, int
     for (int64_t i = 0; i < m; ++i) tile<1, 1>(x + i * k, k, w + j * k, y + i * n + j, n, bias, j);
 }
 
-// One to five input rows as one stream: the weight rows one after another, so each thread reads
+// One to ten input rows as one stream: the weight rows one after another, so each thread reads
 // its share of the weight as one contiguous stream, prefetched kStreamAhead bytes ahead at every
 // load, and every input row uses each weight vector as it arrives. The 1 x 8, 2 x 6 and 3 x 4 tiles
 // read eight, six or four rows side by side (streams 1152 bytes apart for SmolLM2); on the AVX2 EPYC
 // a decode step's products streamed ~1.25x (one row), ~1.2x (two) and ~1.08x (three) faster this
 // way (docs/perf_log.md, fourteenth session), four and five rows 1.25x and 1.06-1.12x against the
-// 3 x 4 tiles (sixteenth session). With more rows the single accumulator per row leaves too few
-// independent sums per weight load, and the 4 x 3 tiles win. Each output's sum runs in the same
-// order as in tile() (one accumulator over k, then hsum, then the tail), so a row's result does not
-// depend on how many rows the product has.
+// 3 x 4 tiles (sixteenth session). Six to ten rows keep up to ten independent sums per weight load
+// (enough for two FMA pipes at a 4-5-cycle latency; ten accumulators, the weight vector and an input
+// vector fit the sixteen registers): all layers' products of a SmolLM2 step 1.15-1.24x faster than
+// the 4 x 3 tiles, Gemma-3's 1.06-1.18x (forty-third session). 11 to 16 rows run as two streams
+// over each weight row (the second finds it in L1), past that the tiles. Each output's sum runs in
+// the same order as in tile() (one accumulator over k, then hsum, then the tail), so a row's result
+// does not depend on how many rows the product has.
 constexpr int64_t kStreamAhead = 2048;
+constexpr int64_t kStreamMaxRows = 10;  // one stream's rows
+constexpr int64_t kTwoStreamsMaxRows = 16;  // two streams per weight row up to here, then the tiles
 
-// MT input rows (1 to 5) against weight row wr: y[i * n] = dot(x[i, :], wr) for output feature j.
+// MT input rows (1 to 10) against weight row wr: y[i * n] = dot(x[i, :], wr) for output feature j.
 // (The accumulators are named variables: as an array, GCC kept them on the stack in the bf16 output
 // instantiation, a store and a reload per step, which made two-row products 1.6x slower.)
 template <int MT, typename Out>
 inline void stream_rows(const float* x, const uint16_t* wr, int64_t k, Out* y, int64_t n, const float* bias, int64_t j) {
-  static_assert(MT >= 1 && MT <= 5, "one to five input rows");
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0;
+  static_assert(MT >= 1 && MT <= kStreamMaxRows, "one to ten input rows");
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0;
   int64_t t = 0;
   for (; t + 8 <= k; t += 8) {
     _mm_prefetch(reinterpret_cast<const char*>(wr + t) + kStreamAhead, _MM_HINT_T0);  // never faults
@@ -111,13 +116,36 @@ inline void stream_rows(const float* x, const uint16_t* wr, int64_t k, Out* y, i
     if constexpr (MT >= 2) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + t), wv, a1);
     if constexpr (MT >= 3) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 2 * k + t), wv, a2);
     if constexpr (MT >= 4) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 3 * k + t), wv, a3);
-    if constexpr (MT == 5) a4 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 4 * k + t), wv, a4);
+    if constexpr (MT >= 5) a4 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 4 * k + t), wv, a4);
+    if constexpr (MT >= 6) a5 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 5 * k + t), wv, a5);
+    if constexpr (MT >= 7) a6 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 6 * k + t), wv, a6);
+    if constexpr (MT >= 8) a7 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 7 * k + t), wv, a7);
+    if constexpr (MT >= 9) a8 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8 * k + t), wv, a8);
+    if constexpr (MT == 10) a9 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 9 * k + t), wv, a9);
   }
-  const __m256 acc[5] = {a0, a1, a2, a3, a4};
+  const __m256 acc[kStreamMaxRows] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9};
   for (int i = 0; i < MT; ++i) {
     float s = hsum(acc[i]);
     for (int64_t r = t; r < k; ++r) s += x[i * k + r] * bf16_to_float(wr[r]);
     store(y + i * n, s, bias, j);
+  }
+}
+
+// stream_rows for a row count known at run time (1 to kStreamMaxRows).
+template <typename Out>
+inline void stream_rows_n(int64_t mt, const float* x, const uint16_t* wr, int64_t k, Out* y, int64_t n,
+                          const float* bias, int64_t j) {
+  switch (mt) {
+    case 1: return stream_rows<1>(x, wr, k, y, n, bias, j);
+    case 2: return stream_rows<2>(x, wr, k, y, n, bias, j);
+    case 3: return stream_rows<3>(x, wr, k, y, n, bias, j);
+    case 4: return stream_rows<4>(x, wr, k, y, n, bias, j);
+    case 5: return stream_rows<5>(x, wr, k, y, n, bias, j);
+    case 6: return stream_rows<6>(x, wr, k, y, n, bias, j);
+    case 7: return stream_rows<7>(x, wr, k, y, n, bias, j);
+    case 8: return stream_rows<8>(x, wr, k, y, n, bias, j);
+    case 9: return stream_rows<9>(x, wr, k, y, n, bias, j);
+    default: return stream_rows<10>(x, wr, k, y, n, bias, j);
   }
 }
 
@@ -126,6 +154,18 @@ template <int MT, typename Out>
 void features_stream(const float* x, const uint16_t* w, int64_t n0, int64_t n1, int64_t k, Out* y, int64_t n,
                      const float* bias) {
   for (int64_t j = n0; j < n1; ++j) stream_rows<MT>(x, w + j * k, k, y + j, n, bias, j);
+}
+
+// Output features [n0, n1) for m input rows (kStreamMaxRows < m <= 2 * kStreamMaxRows) as two streams
+// over each weight row: the first half of the rows, then the rest.
+template <typename Out>
+void features_two_streams(const float* x, int64_t m, const uint16_t* w, int64_t n0, int64_t n1, int64_t k, Out* y,
+                          int64_t n, const float* bias) {
+  const int64_t half = m / 2;
+  for (int64_t j = n0; j < n1; ++j) {
+    stream_rows_n(half, x, w + j * k, k, y + j, n, bias, j);
+    stream_rows_n(m - half, x + half * k, w + j * k, k, y + half * n + j, n, bias, j);
+  }
 }
 
 constexpr int64_t kFeaturesPerTask = 48;  // a multiple of every NT below
@@ -140,8 +180,14 @@ void features(const float* x, int64_t m, const uint16_t* w, int64_t n0, int64_t 
     case 3: return features_stream<3>(x, w, n0, n1, k, y, n, bias);
     case 4: return features_stream<4>(x, w, n0, n1, k, y, n, bias);
     case 5: return features_stream<5>(x, w, n0, n1, k, y, n, bias);
-    default:  // 4-row tiles, then 3, 2 or 1 rows (1.07-1.21x the 3 x 4 tiles for 6-8 and 16 rows)
-      return feature_block<4, 3>(x, m, w, n0, n1, k, y, n, bias);
+    case 6: return features_stream<6>(x, w, n0, n1, k, y, n, bias);
+    case 7: return features_stream<7>(x, w, n0, n1, k, y, n, bias);
+    case 8: return features_stream<8>(x, w, n0, n1, k, y, n, bias);
+    case 9: return features_stream<9>(x, w, n0, n1, k, y, n, bias);
+    case 10: return features_stream<10>(x, w, n0, n1, k, y, n, bias);
+    default:
+      if (m <= kTwoStreamsMaxRows) return features_two_streams(x, m, w, n0, n1, k, y, n, bias);
+      return feature_block<4, 3>(x, m, w, n0, n1, k, y, n, bias);  // 4-row tiles, then 3, 2 or 1 rows
   }
 }
 
