@@ -66,12 +66,14 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def qkv(self, emb: Tensor, feature: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], -1)
-        return self.self_attn.project(x, positions)
+        return self.self_attn.project(self.attention_input(emb, feature), positions)
 
     def kv(self, emb: Tensor, feature: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], -1)
-        return self.self_attn.project_kv(x, positions)
+        return self.self_attn.project_kv(self.attention_input(emb, feature), positions)
+
+    def attention_input(self, emb: Tensor, feature: Tensor) -> Tensor:
+        """The 2H-wide input of the attention's projections: the normed embedding and feature side by side."""
+        return torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], -1)
 
     def finish(self, feature: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         return self.residual(feature, self.self_attn.attend(q, k, v, mask))

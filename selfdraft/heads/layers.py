@@ -86,18 +86,18 @@ class Attention(nn.Module):
     def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x: (b, s, in) -> q (b, nh, s, hd), k and v (b, nkv, s, hd), rotary applied at ``positions`` (b, s)."""
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.rope(positions)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        return (apply_rope(q, cos, sin), *self._key_values(x, cos, sin))
 
     def project_kv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """:meth:`project` without the queries: the keys and values a committed input leaves in the cache."""
+        return self._key_values(x, *self.rope(positions))
+
+    def _key_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         b, s, _ = x.shape
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = self.rope(positions)
         return apply_rope(k, cos, sin), v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
