@@ -34,6 +34,14 @@ SmolLM2 forward 44 -> 29 ms there, one token unchanged. Products over at most FU
 rows take it inside the model's own forward (FUSED_MAX_ROWS_NATIVE with the AVX2 path, past which
 oneDNN wins); the lean forward (:mod:`selfdraft.lean_forward`), which skips the model's Python, keeps
 every product of up to 16 query positions on the kernel on both kinds of CPU.
+
+Where the CPU also has AMX-BF16 (Intel Sapphire Rapids and later) and Linux grants the tiles, products
+whose width is a multiple of 32 multiply on them (``csrc/bf16_linear_amx.cpp``; ``SELFDRAFT_AMX_BF16=0``
+keeps them on VDPBF16PS): one tile instruction takes 16 weight rows x 32 elements against up to 16
+input rows, so a verification of several tokens costs little more than one token. Whole greedy
+verifications after 256 tokens on a 2-core Sapphire Rapids, VDPBF16PS -> AMX (ms): SmolLM2 1 token
+13.4 -> 14.1, 6: 24.5 -> 18.7, 10: 34.6 -> 20.8, 16: 51.8 -> 25.8; Gemma-3-270M 1: 19.2 -> 20.8, 10:
+61.7 -> 38.8, 16: 94.7 -> 51.6 (docs/perf_log.md, forty-fourth session).
 """
 
 from __future__ import annotations
@@ -82,6 +90,9 @@ FUSED_ENV = "SELFDRAFT_FUSED_BF16"
 AVX512_ENV = "SELFDRAFT_AVX512_BF16"
 """Set to 0 to keep the product kernel on its AVX2 path where the CPU has AVX512-BF16 (comparisons);
 by default bf16 inputs there take the VDPBF16PS path (csrc/bf16_linear_avx512.cpp)."""
+AMX_ENV = "SELFDRAFT_AMX_BF16"
+"""Set to 0 to keep bf16 products off the AMX tiles where the CPU has AMX-BF16 (comparisons); by default
+products whose width is a multiple of 32 take them there (csrc/bf16_linear_amx.cpp)."""
 FUSED_ATTENTION_MAX_QUERIES = 16
 """Most query positions (per row) an attention call through Hugging Face's attention interface (the
 model's own forward, the draft heads' modules) takes through the fused kernel; the lean forward
@@ -93,7 +104,7 @@ query heads over 3 KV heads and 400 cached positions: 1 query 0.04 vs 0.41 ms (P
 ATTENTION_NAME = "selfdraft_bf16"
 """Name the fused attention is registered under in Hugging Face's attention interface."""
 KERNEL_SOURCES = (
-    "bindings.cpp", "bf16_linear.cpp", "bf16_linear_avx512.cpp", "bf16_attention.cpp", "bf16_rms_norm.cpp", "bf16_rope.cpp", "bf16_decoder.cpp",
+    "bindings.cpp", "bf16_linear.cpp", "bf16_linear_avx512.cpp", "bf16_linear_amx.cpp", "bf16_attention.cpp", "bf16_rms_norm.cpp", "bf16_rope.cpp", "bf16_decoder.cpp",
     "eagle3_step.cpp", "int8_linear.cpp", "bf16_argmax.cpp",
 )
 """Sources of the kernel module under selfdraft/csrc (kernels.h holds what they share)."""
@@ -118,6 +129,7 @@ def cpu_report() -> dict:
         "native_bf16_matmul": native_bf16_matmul("cpu"),
         "fused_bf16_kernel": fused_kernel() is not None,
         "avx512_bf16_products": avx512_bf16_products(),
+        "amx_bf16_products": amx_bf16_products(),
     }
 
 
@@ -175,6 +187,7 @@ def build_fused_kernel():
             extra_ldflags=["-fopenmp"],
         )
         module.set_avx512_bf16(os.environ.get(AVX512_ENV, "1") != "0")
+        module.set_amx_bf16(os.environ.get(AMX_ENV, "1") != "0")
         return module
     except Exception as e:  # no compiler, no ninja, ...: slower but correct without it
         warnings.warn(
@@ -191,6 +204,14 @@ def avx512_bf16_products() -> bool:
     has them, the kernel is built and ``SELFDRAFT_AVX512_BF16`` is not 0)."""
     kernel = fused_kernel()
     return kernel is not None and kernel.avx512_bf16_enabled()
+
+
+def amx_bf16_products() -> bool:
+    """Whether the product kernel multiplies bf16 inputs with AMX-BF16 tiles here (the CPU and the OS
+    allow them, the AVX512-BF16 path is on and ``SELFDRAFT_AMX_BF16`` is not 0); widths that are not a
+    multiple of 32 stay on the AVX512-BF16 path."""
+    kernel = fused_kernel()
+    return kernel is not None and kernel.avx512_bf16_enabled() and kernel.amx_bf16_enabled()
 
 
 def fused_kernel():

@@ -180,8 +180,9 @@ def test_fused_kernel_is_the_fp32_product_rounded(rows, k, n, product_kernel):
     """Guards the kernel's paths and edges: row counts (rows and twice rows) that take one stream
     (1-10), two streams (11-16: 5 + 6 ... 8 + 8) and the row tiles with their remainders (17: 4 x 4 + 1,
     19: 4 x 4 + 3, 26: 4 x 6 + 2, ...) on the AVX2 path,
-    one pass and even passes on the AVX512-BF16 one (13: 7 + 6, 32: 11 + 11 + 10), a k that is not a
-    multiple of 8 (scalar tail), feature counts that leave partial tiles and tasks, bias,
+    one pass and even passes on the AVX512-BF16 one (13: 7 + 6, 32: 11 + 11 + 10), one and two column
+    tiles on the AMX one (k = 64, 96; 17-32 rows), a k that is not a multiple of 8 (scalar tail; off
+    the AMX path), feature counts that leave partial tiles and tasks (a zero-padded AMX tile), bias,
     batched input, bf16 and fp32 input."""
     kernel = product_kernel
     torch.manual_seed(rows * 1000 + k + n)
@@ -203,7 +204,7 @@ def test_fused_kernel_row_results_do_not_depend_on_the_row_count(k, product_kern
     """Guards what greedy exactness rests on: a row's output is bit-identical whether the product has
     one row (a decode step) or several (a verified tree: on the AVX2 path one stream up to ten rows,
     two up to sixteen, the row tiles beyond; on the AVX512-BF16 path one pass of up to twelve rows,
-    even passes beyond),
+    even passes beyond; on the AMX path one column tile of up to sixteen rows, two beyond),
     for every row position in a tile or pass and its remainders, with bias and a tail (k = 20: scalar
     on AVX2, masked on AVX512-BF16)."""
     kernel = product_kernel
@@ -234,13 +235,15 @@ def test_fused_kernel_reads_non_contiguous_input_and_reuses_its_buffer(product_k
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])
-def test_fused_kernel_many_products_equal_one_at_a_time(rows, product_kernel):
+@pytest.mark.parametrize("k", [40, 64])
+def test_fused_kernel_many_products_equal_one_at_a_time(rows, k, product_kernel):
     """Guards the shared parallel loop: feature counts whose tasks straddle the products (7, 101, 48,
-    1), biases on some products only; each output is bit-identical to that product alone."""
+    1), biases on some products only; each output is bit-identical to that product alone (k = 64 on
+    the AMX path where it is on, 40 off it)."""
     kernel = product_kernel
     torch.manual_seed(rows)
-    x = torch.randn(2, rows, 40).bfloat16()
-    weights = [torch.randn(n, 40).bfloat16() for n in (7, 101, 48, 1)]
+    x = torch.randn(2, rows, k).bfloat16()
+    weights = [torch.randn(n, k).bfloat16() for n in (7, 101, 48, 1)]
     biases = [None, torch.randn(101).bfloat16(), None, torch.randn(1).bfloat16()]
     got = kernel.bf16_linear_many(x, weights, biases)
     assert [g.shape for g in got] == [(2, rows, w.shape[0]) for w in weights]
@@ -250,8 +253,8 @@ def test_fused_kernel_many_products_equal_one_at_a_time(rows, product_kernel):
         assert torch.equal(g, kernel.bf16_linear(x, w, None))
     with pytest.raises(RuntimeError, match="one bias"):
         kernel.bf16_linear_many(x, weights, biases[:2])
-    with pytest.raises(RuntimeError, match="weight expects 41"):
-        kernel.bf16_linear_many(x, [weights[0], torch.randn(3, 41).bfloat16()])
+    with pytest.raises(RuntimeError, match=f"weight expects {k + 1}"):
+        kernel.bf16_linear_many(x, [weights[0], torch.randn(3, k + 1).bfloat16()])
     with pytest.raises(RuntimeError, match="at least one weight"):
         kernel.bf16_linear_many(x, [])
 

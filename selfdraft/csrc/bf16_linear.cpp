@@ -258,7 +258,11 @@ std::vector<at::Tensor> bf16_linear_many(const at::Tensor& x, const std::vector<
     for (size_t p = 0; p < ws.size(); ++p)
       products.push_back({reinterpret_cast<const uint16_t*>(ws[p].data_ptr<at::BFloat16>()), ws[p].size(0),
                           ys[p].data_ptr<at::BFloat16>(), bias_ptr(p)});
-    bf16_products_avx512(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), m, k, products);
+    const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+    if (amx_bf16_enabled() && amx_bf16_takes(k))
+      bf16_products_amx(xb, m, k, products);
+    else
+      bf16_products_avx512(xb, m, k, products);
     return ys;
   }
   // the input rows in fp32 (exact for bf16), contiguous. bf16 rows are widened into a buffer of the

@@ -32,6 +32,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_avx512_bf16", &selfdraft::set_avx512_bf16,
         "use the AVX512-BF16 path for bf16 products where available (default true); returns the previous setting",
         pybind11::arg("enabled"));
+  m.def("amx_bf16_available", &selfdraft::amx_bf16_available,
+        "whether this CPU runs AMX-BF16 and this process may use its tiles (bf16 products then use TDPBF16PS)");
+  m.def("amx_bf16_enabled", &selfdraft::amx_bf16_enabled,
+        "whether bf16 products of widths that are multiples of 32 take the AMX path (available, not switched off)");
+  m.def("set_amx_bf16", &selfdraft::set_amx_bf16,
+        "use the AMX path for bf16 products where available (default true); returns the previous setting",
+        pybind11::arg("enabled"));
   m.def("bf16_attention", &selfdraft::bf16_attention,
         "softmax(scale * q k^T + mask) v for bf16 q (B, H, n, D) and cache k, v (B, Hk, L, D); out (B, n, H, D)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask") = pybind11::none(),

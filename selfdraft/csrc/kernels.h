@@ -101,6 +101,31 @@ struct BF16Product {
 // (bf16_linear_avx512.cpp); call only where avx512_bf16_available().
 void bf16_products_avx512(const uint16_t* x, int64_t m, int64_t k, const std::vector<BF16Product>& products);
 
+// Whether this compiler has the AMX intrinsics (GCC 11, Clang 12 and later).
+#if defined(__clang__) ? (__clang_major__ >= 12) : (defined(__GNUC__) && __GNUC__ >= 11)
+#define SELFDRAFT_HAVE_AMX 1
+#else
+#define SELFDRAFT_HAVE_AMX 0
+#endif
+
+// The same products with AMX-BF16 tiles (bf16_linear_amx.cpp); call only where amx_bf16_enabled() and
+// amx_bf16_takes(k).
+void bf16_products_amx(const uint16_t* x, int64_t m, int64_t k, const std::vector<BF16Product>& products);
+
+// Whether products of width k take the AMX path where it is enabled (k a multiple of 32); by k alone,
+// never by the row count, so a row's result does not depend on how many rows share its product.
+bool amx_bf16_takes(int64_t k);
+
+// Whether this CPU runs AMX-BF16 with AVX512-BF16 and the OS lets this process use the tiles.
+bool amx_bf16_available();
+
+// Whether bf16 products take the AMX path where their width allows: available, not switched off, and the
+// AVX512-BF16 path on.
+bool amx_bf16_enabled();
+
+// Switch the AMX path on (the default) or off where it is available; returns the previous setting.
+bool set_amx_bf16(bool enabled);
+
 // Whether this CPU runs AVX512-BF16 (and the OS keeps its registers).
 bool avx512_bf16_available();
 
