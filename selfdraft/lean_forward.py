@@ -53,6 +53,13 @@ oneDNN products inside the lean forward lost to the kernel at 7-12 rows (SmolLM2
 23.5 ms; docs/perf_log.md). On the kernel's AVX512-BF16 path both forwards keep every product of up
 to 16 rows on it, and the lean one stays 1.1-1.5x faster (SmolLM2 8 tokens 17.1 vs 23.6 ms, 16: 28.7
 vs 35.0; Gemma-3 8: 28.5 vs 33.0, 16: 44.9 vs 49.4)."""
+LEAN_MAX_ROWS_AMX = 24
+"""The same limit where the product kernel multiplies on AMX tiles (:func:`kernels.amx_bf16_products`):
+there a row costs little past the first, and on a 2-core Sapphire Rapids after 256 cached tokens
+(medians of 7, interleaved) the lean forward beat the model's own forward (oneDNN past 16 rows) at
+SmolLM2 20 tokens 32.9 vs 51.5 ms, 24: 35.0 vs 50.5, 32: 40.3 vs 51.6, and tied on Gemma-3-270M at
+20-24 (57.8 vs 59.6, 61.3 vs 60.6) while losing at 32 (75.0 vs 63.9; docs/perf_log.md, forty-fourth
+session)."""
 LEAN_ENV = "SELFDRAFT_LEAN_FORWARD"
 """Set to 0 to send every forward through the model's own (Hugging Face) forward."""
 
@@ -250,7 +257,9 @@ def lean_plan(model: nn.Module, kernel) -> LeanPlan | None:
 
 def lean_max_rows() -> int:
     """Most tokens (over the batch) a lean forward takes on this CPU."""
-    return LEAN_MAX_ROWS_NATIVE if kernels.native_bf16_matmul("cpu") else FUSED_MAX_ROWS
+    if not kernels.native_bf16_matmul("cpu"):
+        return FUSED_MAX_ROWS
+    return LEAN_MAX_ROWS_AMX if kernels.amx_bf16_products() else LEAN_MAX_ROWS_NATIVE
 
 
 def lean_applies(model: nn.Module, cache: object, tokens: Tensor) -> tuple[LeanPlan, object] | None:

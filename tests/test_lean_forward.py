@@ -147,16 +147,19 @@ def test_lean_forward_applies_only_where_it_reproduces_the_forward(monkeypatch):
     with torch.inference_mode():
         assert lean.lean_applies(model, cache, small) is not None
         assert lean.lean_applies(model, cache, wide) is None  # too many rows for the kernels
-        batch = torch.zeros(2, 12, dtype=torch.long)  # 24 rows: past the limit where bf16 is native
-        for native in (True, False):
+        batch = torch.zeros(2, 12, dtype=torch.long)  # 24 rows: past the limit where bf16 is native (not on AMX)
+        for native, amx in ((True, False), (True, True), (False, False)):
             with monkeypatch.context() as m:
                 m.setattr(kernels, "native_bf16_matmul", lambda device_type="cpu", native=native: native)
-                assert lean.lean_max_rows() == (lean.LEAN_MAX_ROWS_NATIVE if native else kernels.FUSED_MAX_ROWS)
+                m.setattr(kernels, "amx_bf16_products", lambda amx=amx: amx)
+                limit = kernels.FUSED_MAX_ROWS if not native else lean.LEAN_MAX_ROWS_AMX if amx else lean.LEAN_MAX_ROWS_NATIVE
+                assert lean.lean_max_rows() == limit
                 assert lean.lean_applies(model, cache, wide[:, :16]) is not None
                 # a tree of more nodes than the HF route's attention kernel takes stays on the kernels
                 tree = wide[:, : kernels.FUSED_ATTENTION_MAX_QUERIES + 8]
-                assert (lean.lean_applies(model, cache, tree) is None) == native
-                assert (lean.lean_applies(model, new_cache(model, 64), batch) is None) == native
+                assert (lean.lean_applies(model, cache, tree) is None) == (native and not amx)
+                assert (lean.lean_applies(model, new_cache(model, 64), batch) is None) == (native and not amx)
+                assert (lean.lean_applies(model, cache, wide[:, : lean.LEAN_MAX_ROWS_AMX + 1]) is None) == native
         monkeypatch.setenv(lean.LEAN_ENV, "0")
         assert lean.lean_applies(model, cache, small) is None
         monkeypatch.delenv(lean.LEAN_ENV)

@@ -68,16 +68,16 @@ void configure(int64_t cols) {
   _tile_loadconfig(&c);
 }
 
-// G feature tiles (16 G contiguous weight rows from w) against input rows [col0, col0 + cols) of the
-// packed input xp: out[g][f][c] = dot(w[16 g + f], x[col0 + c]) (fp32, 16 x 16 per tile).
+// G feature tiles (16 G contiguous weight rows from w) against input rows [col0, col0 + 16) (or all mp
+// where fewer) of the packed input xp (mp columns): out[g][f][c] = dot(w[16 g + f], x[col0 + c]) (fp32, 16 x 16 per tile).
 template <int G>
-void tiles(const uint32_t* xp, int64_t m, int64_t col0, const uint16_t* w, int64_t k, float* out) {
+void tiles(const uint32_t* xp, int64_t mp, int64_t col0, const uint16_t* w, int64_t k, float* out) {
   static_assert(G >= 1 && G <= 4);
   _tile_zero(0);
   if constexpr (G > 1) _tile_zero(1);
   if constexpr (G > 2) _tile_zero(2);
   if constexpr (G > 3) _tile_zero(3);
-  const int64_t stride = k * 2, bstride = m * 4, rows_k = kTileRows * k;
+  const int64_t stride = k * 2, bstride = mp * 4, rows_k = kTileRows * k;
   for (int64_t t = 0; t < k; t += kTileK) {
     // each weight row's line two steps ahead into L1: a tile load waits on 16 lines at once, and
     // without this a one-row forward ran ~7% slower than on the VDPBF16PS path (2% with it)
@@ -86,7 +86,7 @@ void tiles(const uint32_t* xp, int64_t m, int64_t col0, const uint16_t* w, int64
       for (int64_t l = 0; l < G * kTileRows; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(w + l * k + t + kPrefetchSteps * kTileK), _MM_HINT_T0);
     }
-    _tile_loadd(6, xp + (t / 2) * m + col0, bstride);
+    _tile_loadd(6, xp + (t / 2) * mp + col0, bstride);
     _tile_loadd(4, w + t, stride);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (G > 1) {
@@ -109,37 +109,38 @@ void tiles(const uint32_t* xp, int64_t m, int64_t col0, const uint16_t* w, int64
   if constexpr (G > 3) _tile_stored(3, out + 3 * kOut, kTileRows * 4);
 }
 
-// Output features [n0, n1) of one product for all m rows (xp: the rows packed as pairs).
-void features(const uint32_t* xp, int64_t m, const uint16_t* w, int64_t n0, int64_t n1, int64_t k, at::BFloat16* y,
-              int64_t n, const float* bias) {
+// Output features [n0, n1) of one product for all m rows (xp: the rows packed as pairs, mp columns:
+// m, or m rounded up to a multiple of 16 with zero columns). Each block of features takes every column
+// tile in turn while its weight rows are in cache, so a product of more than 16 rows reads its weight
+// from memory once.
+void features(const uint32_t* xp, int64_t m, int64_t mp, const uint16_t* w, int64_t n0, int64_t n1, int64_t k,
+              at::BFloat16* y, int64_t n, const float* bias) {
   alignas(64) float out[kGroups * kTileRows * kTileRows];
   thread_local std::vector<uint16_t> padded;  // the last < 16 weight rows, zero rows after them
-  for (int64_t col0 = 0; col0 < m; col0 += kTileRows) {
-    const int64_t cols = std::min(kTileRows, m - col0);
-    configure(cols);
-    for (int64_t j0 = n0; j0 < n1; j0 += kFeaturesPerTask) {
-      const int64_t rows = std::min(kFeaturesPerTask, n1 - j0), full = rows / kTileRows;
+  configure(std::min(kTileRows, mp));
+  for (int64_t j0 = n0; j0 < n1; j0 += kFeaturesPerTask) {
+    const int64_t rows = std::min(kFeaturesPerTask, n1 - j0), full = rows / kTileRows, r = rows - full * kTileRows;
+    if (r > 0) {  // a product's last rows: a zero-padded tile (zero products add nothing)
+      padded.assign(static_cast<size_t>(kTileRows * k), 0);
+      std::memcpy(padded.data(), w + (j0 + full * kTileRows) * k, static_cast<size_t>(r * k) * sizeof(uint16_t));
+      asm volatile("" ::: "memory");  // copied before the tile loads read it
+    }
+    for (int64_t col0 = 0; col0 < m; col0 += kTileRows) {
       switch (full) {
         case 0: break;
-        case 1: tiles<1>(xp, m, col0, w + j0 * k, k, out); break;
-        case 2: tiles<2>(xp, m, col0, w + j0 * k, k, out); break;
-        case 3: tiles<3>(xp, m, col0, w + j0 * k, k, out); break;
-        default: tiles<4>(xp, m, col0, w + j0 * k, k, out); break;
+        case 1: tiles<1>(xp, mp, col0, w + j0 * k, k, out); break;
+        case 2: tiles<2>(xp, mp, col0, w + j0 * k, k, out); break;
+        case 3: tiles<3>(xp, mp, col0, w + j0 * k, k, out); break;
+        default: tiles<4>(xp, mp, col0, w + j0 * k, k, out); break;
       }
-      if (rows > full * kTileRows) {  // a product's last rows: a zero-padded tile (zero products add nothing)
-        const int64_t r = rows - full * kTileRows;
-        padded.assign(static_cast<size_t>(kTileRows * k), 0);
-        std::memcpy(padded.data(), w + (j0 + full * kTileRows) * k, static_cast<size_t>(r * k) * sizeof(uint16_t));
-        asm volatile("" ::: "memory");  // copied before the tile loads read it
-        tiles<1>(xp, m, col0, padded.data(), k, out + full * kTileRows * kTileRows);
-      }
+      if (r > 0) tiles<1>(xp, mp, col0, padded.data(), k, out + full * kTileRows * kTileRows);
+      const int64_t cols = std::min(kTileRows, m - col0);
       for (int64_t f = 0; f < rows; ++f) {
         const int64_t j = j0 + f;
         const float* o = out + f * kTileRows;  // tile f / 16, row f % 16: contiguous over tiles
-        const float b = bias != nullptr ? bias[j] : 0.0f;
         for (int64_t c = 0; c < cols; ++c) {
           float s = o[c];
-          if (bias != nullptr) s += b;
+          if (bias != nullptr) s += bias[j];
           y[(col0 + c) * n + j] = static_cast<at::BFloat16>(s);  // rounds to nearest even
         }
       }
@@ -166,16 +167,18 @@ bool amx_bf16_available() {
 
 void bf16_products_amx(const uint16_t* x, int64_t m, int64_t k, const std::vector<BF16Product>& products) {
   TORCH_CHECK(amx_bf16_takes(k), "the AMX path takes widths that are multiples of ", kTileK, ", not ", k);
-  // the input rows as pairs: xp[p * m + i] = (x[i, 2p], x[i, 2p + 1])
+  if (m == 0) return;
+  // the input rows as pairs: xp[p * mp + i] = (x[i, 2p], x[i, 2p + 1]), zero for i >= m
+  const int64_t mp = m <= kTileRows ? m : (m + kTileRows - 1) / kTileRows * kTileRows;
   thread_local std::vector<uint32_t> packed;
   const int64_t pairs = k / 2;
-  packed.resize(static_cast<size_t>(pairs * m));
+  packed.assign(static_cast<size_t>(pairs * mp), 0);
   const auto* x32 = reinterpret_cast<const uint32_t*>(x);
   for (int64_t i = 0; i < m; ++i)
-    for (int64_t p = 0; p < pairs; ++p) packed[p * m + i] = x32[i * pairs + p];
+    for (int64_t p = 0; p < pairs; ++p) packed[p * mp + i] = x32[i * pairs + p];
   const uint32_t* xp = packed.data();
   for_feature_tasks(products, kFeaturesPerTask, [&](const BF16Product& q, int64_t n0, int64_t n1) {
-    features(xp, m, q.w, n0, n1, k, q.y, q.n, q.bias);
+    features(xp, m, mp, q.w, n0, n1, k, q.y, q.n, q.bias);
   });
 }
 
