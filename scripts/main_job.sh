@@ -6,7 +6,8 @@
 #   3. generate on the first MT-bench questions with HF generate, plain decoding, the new head and
 #      the head merged with prompt lookup, print the table (tokens/s, speedup vs HF generate, tau,
 #      identity with plain decoding) and summary lines.
-# 11.4-12.6 minutes measured on a 2-core AVX512-BF16 CPU (50 steps at ~10 s; 2026-12-05, 11.8 the latest);
+# 11.4-12.6 minutes measured on a 2-core AVX512-BF16 CPU (50 steps at ~10 s; 2026-12-05, 11.8 the latest),
+# 8.8 on a 2-core Sapphire Rapids with AMX (50 steps at ~7 s; 2026-12-07);
 # 24.3 minutes with 50 steps on a 2-core AVX2 CPU without native bf16 (~21 s a step), hence 32 steps there
 # (13.1 minutes, ~17 s a step, 2026-12-06: docs/results/main_job_2026-12-06_s32_avx2.log), but 27.5 minutes on
 # a slower instance of that kind (~37 s a step, 2026-12-07), hence also a training budget in minutes (below).

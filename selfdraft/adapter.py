@@ -153,7 +153,9 @@ def tree_forward(
         visible[:, prefix:] = tree.ancestors.to(device)
         return attention_mask(model, visible, positions, key_pos, dtype)
 
-    if dtype == torch.bfloat16 and (lean := lean_applies(model, cache, tokens)) is not None:
+    # a forward that projects every row verifies a draft: the lean forward at any size (greedy identity)
+    verification = not last_logits_only
+    if dtype == torch.bfloat16 and (lean := lean_applies(model, cache, tokens, verification)) is not None:
         return ForwardOutput(*lean_forward(*lean, cache, tokens, position_ids, tree_mask(), hidden_layers, last_logits_only,
                                            argmax_only, draw_temperature))
     # a prompt on an empty cache is plain causal attention: without a mask SDPA skips the hidden half

@@ -262,18 +262,24 @@ def lean_max_rows() -> int:
     return LEAN_MAX_ROWS_AMX if kernels.amx_bf16_products() else LEAN_MAX_ROWS_NATIVE
 
 
-def lean_applies(model: nn.Module, cache: object, tokens: Tensor) -> tuple[LeanPlan, object] | None:
+def lean_applies(model: nn.Module, cache: object, tokens: Tensor, verification: bool = False
+                 ) -> tuple[LeanPlan, object] | None:
     """(plan, kernel module) for a forward of ``tokens`` (batch, n) into ``cache``, or None where it must
     go through the model's own forward (kernels off or not built, too many tokens for them, another
-    cache, gradients on)."""
+    cache, gradients on). ``verification``: the forward verifies a draft (every row's logits read, its
+    accepted rows' keys and values kept), so it stays on the kernels at any size: only they give a
+    tree's rows the bits of the one-token steps of plain decoding (greedy identity in bf16); the
+    model's own forward gives products past ``kernels.fused_max_rows()`` rows to oneDNN or the fp32
+    route, which round differently (until the forty-fourth session a tree of 17 or more nodes on an
+    AVX512-BF16 CPU, such as an EAGLE head's untuned default of 16 drafted tokens, went there and
+    its replies drifted from plain decoding's)."""
     if os.environ.get(LEAN_ENV, "1") == "0" or (kernel := kernels.fused_kernel()) is None:
         return None
     if tokens.device.type != "cpu" or torch.is_grad_enabled() or not isinstance(cache, SpecCache):
         return None
-    # trees of up to lean_max_rows() nodes stay on the kernels: attention past FUSED_ATTENTION_MAX_QUERIES
-    # queries costs about what SDPA does, and only the kernels give a tree's rows the bits of the
-    # one-token steps of plain decoding (greedy identity in bf16)
-    if tokens.numel() > lean_max_rows():
+    # other forwards (prompts) of up to lean_max_rows() tokens: past that the model's own forward is
+    # as fast or faster (oneDNN, the fp32 route), and a prompt's rounding is the same for every decoder
+    if not verification and tokens.numel() > lean_max_rows():
         return None
     if not all(type(layer) is PreallocatedLayer for layer in cache.layers):
         return None

@@ -558,9 +558,14 @@ def test_long_masked_attention_in_query_blocks_equals_one_call(models, monkeypat
 def test_long_bf16_forward_after_a_prefix_runs_attention_in_query_blocks(monkeypatch, arch):
     """Guards the wiring of the blockwise SDPA: a bf16 target's masked forward of more queries than a
     block (a chain after a prefix; Gemma-3's sliding-window layers) takes it inside the adapter's
-    attention and gives the one-call logits within bf16 rounding, the same argmax at nearly every node."""
+    attention and gives the one-call logits within bf16 rounding, the same argmax at nearly every node.
+    (The model's own forward: a prompt's new tokens after a cached prefix take it; a verification of
+    that many rows takes the lean forward, which the test turns off.)"""
     if build_fused_kernel() is None:
         pytest.skip("the blockwise path sits in the fused attention, which needs the fused bf16 kernel")
+    from selfdraft.lean_forward import LEAN_ENV
+
+    monkeypatch.setenv(LEAN_ENV, "0")
     model = tiny_model(arch, dtype=torch.bfloat16)
     prompt = torch.tensor([random_prompt(60, 5)])
     blocks = []

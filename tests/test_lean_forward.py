@@ -139,6 +139,42 @@ def test_lean_forward_declines_other_architectures():
     assert lean.lean_plan(tiny_model("qwen3", dtype=torch.bfloat16), k) is None
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_verification_trees_past_the_prompt_limit_stay_on_the_kernels(monkeypatch, amx):
+    """Guards greedy identity for large trees where bf16 is native: a verification of more nodes than
+    a prompt forward keeps on the kernels (lean_max_rows(): 16, 24 on AMX) still takes the lean forward,
+    and every row's logits are the bits of the one-token step plain decoding runs there; a prompt of
+    that size takes the model's own forward. (Until the forty-fourth session such a tree went through
+    the model's forward, whose products past 16 rows oneDNN rounds differently: an EAGLE head's
+    default 17-node tree drifted from plain decoding on an AVX512-BF16 CPU.)"""
+    kernel()
+    monkeypatch.setattr(kernels, "native_bf16_matmul", lambda device_type="cpu": True)
+    monkeypatch.setattr(kernels, "amx_bf16_products", lambda: amx)
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    n = lean.lean_max_rows() + 4
+    prompt = torch.tensor([random_prompt(n, 3)])
+    tokens = torch.tensor([random_prompt(n, 4)])
+    taken = []
+    real = adapter.lean_forward
+    monkeypatch.setattr(adapter, "lean_forward", lambda *a, **kw: taken.append(a[3].shape[-1]) or real(*a, **kw))
+    with torch.inference_mode():
+        cache = new_cache(model, 3 * n)
+        tree_forward(model, cache, prompt, chain_tree(n - 1), last_logits_only=True)
+        assert taken == []  # the prompt: the model's own forward
+        tree = tree_from_parents([-1] + [i // 2 for i in range(n - 1)])  # a branching tree of n nodes
+        verified = tree_forward(model, cache, tokens, tree).logits[0]
+        assert taken == [n]
+        for node in range(n):  # each node as a one-token step after its own path
+            path = [node]
+            while tree.parents[path[-1]] >= 0:
+                path.append(tree.parents[path[-1]])
+            step_cache = new_cache(model, 3 * n)
+            tree_forward(model, step_cache, prompt, chain_tree(n - 1), last_logits_only=True)
+            for i in reversed(path):
+                step = tree_forward(model, step_cache, tokens[:, i : i + 1], chain_tree(0)).logits[0, 0]
+            assert torch.equal(verified[node], step), f"node {node} of {n}"
+
+
 def test_lean_forward_applies_only_where_it_reproduces_the_forward(monkeypatch):
     k = kernel()
     model = tiny_model("llama", dtype=torch.bfloat16)
