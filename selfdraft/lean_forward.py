@@ -15,6 +15,8 @@ taking every product (tests/test_lean_forward.py): the default on AVX2 CPUs and,
 the kernel runs its AVX512-BF16 path; where bf16 is native and the kernel is on its AVX2 path, the
 model's own forward gives products of more than ``kernels.FUSED_MAX_ROWS_NATIVE`` rows to oneDNN, which
 rounds differently, while the lean forward keeps them on the kernel (see :data:`LEAN_MAX_ROWS_NATIVE`).
+Every verification takes the lean forward whatever its size (:func:`lean_applies`), so each tree row
+gets the bits of plain decoding's one-token step; the row limits apply to prompts.
 
 Which targets: ``model_type`` llama, qwen2 (no q/k norms, no sliding windows) or gemma3_text (q/k
 norms, sliding-window layers through their mask, four norms per layer, scaled embeddings, final
