@@ -33,7 +33,8 @@ kernels serve the small forwards there too (a SmolLM2 one-token decode step 36.6
 SmolLM2 forward 44 -> 29 ms there, one token unchanged. Products over at most FUSED_MAX_ROWS_AVX512
 rows take it inside the model's own forward (FUSED_MAX_ROWS_NATIVE with the AVX2 path, past which
 oneDNN wins); the lean forward (:mod:`selfdraft.lean_forward`), which skips the model's Python, keeps
-every product of up to 16 query positions on the kernel on both kinds of CPU.
+every product of a verification (any size) and of a prompt of up to 16 tokens (24 on AMX) on the kernel
+on both kinds of CPU.
 
 Where the CPU also has AMX-BF16 (Intel Sapphire Rapids and later) and Linux grants the tiles, products
 whose width is a multiple of 32 multiply on them (``csrc/bf16_linear_amx.cpp``; ``SELFDRAFT_AMX_BF16=0``
@@ -211,7 +212,7 @@ def amx_bf16_products() -> bool:
     allow them, the AVX512-BF16 path is on and ``SELFDRAFT_AMX_BF16`` is not 0); widths that are not a
     multiple of 32 stay on the AVX512-BF16 path."""
     kernel = fused_kernel()
-    return kernel is not None and kernel.avx512_bf16_enabled() and kernel.amx_bf16_enabled()
+    return kernel is not None and kernel.amx_bf16_enabled()
 
 
 def fused_kernel():

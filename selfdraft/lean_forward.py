@@ -45,8 +45,9 @@ from selfdraft.screened_draws import ScreenedDraws, screened_draws
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
 LEAN_MAX_ROWS_NATIVE = 16
-"""Most tokens (over the batch) a lean forward takes where bf16 is native (FUSED_MAX_ROWS elsewhere);
-all its products run on the product kernel and its attention on the attention kernel.
+"""Most tokens (over the batch) of a prompt's forward the lean forward takes where bf16 is native
+(FUSED_MAX_ROWS elsewhere; a verification it takes at any size, :func:`lean_applies`); all its products
+run on the product kernel and its attention on the attention kernel.
 That beat the model's own forward when it gave products past kernels.FUSED_MAX_ROWS_NATIVE (6) rows
 to oneDNN (the kernel's AVX2 path): on a 2-core AVX512-BF16 EPYC after 256 cached tokens (medians of 15, interleaved),
 SmolLM2 7 rows 24.0 vs 49.1 ms, 8: 25.4 vs 47.4, 12: 34.7 vs 50.4, 16: 44.0 vs 53.8; Gemma-3-270M
@@ -258,7 +259,8 @@ def lean_plan(model: nn.Module, kernel) -> LeanPlan | None:
 
 
 def lean_max_rows() -> int:
-    """Most tokens (over the batch) a lean forward takes on this CPU."""
+    """Most tokens (over the batch) of a prompt's forward the lean forward takes on this CPU (a
+    verification it takes at any size)."""
     if not kernels.native_bf16_matmul("cpu"):
         return FUSED_MAX_ROWS
     return LEAN_MAX_ROWS_AMX if kernels.amx_bf16_products() else LEAN_MAX_ROWS_NATIVE

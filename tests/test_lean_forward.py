@@ -182,7 +182,8 @@ def test_lean_forward_applies_only_where_it_reproduces_the_forward(monkeypatch):
     small, wide = torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, kernels.FUSED_MAX_ROWS + 1, dtype=torch.long)
     with torch.inference_mode():
         assert lean.lean_applies(model, cache, small) is not None
-        assert lean.lean_applies(model, cache, wide) is None  # too many rows for the kernels
+        assert lean.lean_applies(model, cache, wide) is None  # too many rows for a prompt on the kernels
+        assert lean.lean_applies(model, cache, wide, verification=True) is not None  # a verification: any size
         batch = torch.zeros(2, 12, dtype=torch.long)  # 24 rows: past the limit where bf16 is native (not on AMX)
         for native, amx in ((True, False), (True, True), (False, False)):
             with monkeypatch.context() as m:
@@ -191,7 +192,7 @@ def test_lean_forward_applies_only_where_it_reproduces_the_forward(monkeypatch):
                 limit = kernels.FUSED_MAX_ROWS if not native else lean.LEAN_MAX_ROWS_AMX if amx else lean.LEAN_MAX_ROWS_NATIVE
                 assert lean.lean_max_rows() == limit
                 assert lean.lean_applies(model, cache, wide[:, :16]) is not None
-                # a tree of more nodes than the HF route's attention kernel takes stays on the kernels
+                # a prompt of more tokens than the HF route's attention kernel takes stays on the kernels
                 tree = wide[:, : kernels.FUSED_ATTENTION_MAX_QUERIES + 8]
                 assert (lean.lean_applies(model, cache, tree) is None) == (native and not amx)
                 assert (lean.lean_applies(model, new_cache(model, 64), batch) is None) == (native and not amx)

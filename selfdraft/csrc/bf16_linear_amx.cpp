@@ -201,7 +201,9 @@ std::atomic<bool> use_amx_bf16{true};  // set_amx_bf16
 
 bool amx_bf16_takes(int64_t k) { return k > 0 && k % 32 == 0; }
 
-bool amx_bf16_enabled() { return use_amx_bf16.load(std::memory_order_relaxed) && amx_bf16_available(); }
+bool amx_bf16_enabled() {
+  return use_amx_bf16.load(std::memory_order_relaxed) && avx512_bf16_enabled() && amx_bf16_available();
+}
 
 bool set_amx_bf16(bool enabled) { return use_amx_bf16.exchange(enabled); }
 
