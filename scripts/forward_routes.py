@@ -1,7 +1,8 @@
 """Time one target forward of n new tokens (a verification) through the lean forward and through the
 model's own (Hugging Face) forward, interleaved, after a cached context; prints a table, writes JSON.
-Where the CPU has AVX512-BF16, a third route runs the lean forward with the product kernel on its
-AVX2 path (the comparison behind the kernel's VDPBF16PS path, csrc/bf16_linear_avx512.cpp).
+Where the CPU has AVX512-BF16, more routes run the lean forward with the product kernel's VDPBF16PS
+path in 256-bit and 512-bit registers and on its AVX2 path (the comparisons behind
+csrc/bf16_linear_avx512.cpp and its register width).
 
     python scripts/forward_routes.py [--target smollm2] [--sizes 1 6 7 8 12 16] [--context 256] [--reps 15]
 
@@ -24,29 +25,34 @@ from selfdraft.kernels import cpu_report, fused_kernel
 from selfdraft.target import load_target
 from selfdraft.tune import forward_latency
 
-ROUTES = {"hf": ("0", True), "lean": ("1", True), "lean-avx2": ("1", False)}
+ROUTES = {"hf": ("0", True, None), "lean": ("1", True, None), "lean-256": ("1", True, False),
+          "lean-512": ("1", True, True), "lean-avx2": ("1", False, None)}
 """Route name -> (the value of ``SELFDRAFT_LEAN_FORWARD`` that selects it, whether the product kernel
-may take its AVX512-BF16 path)."""
+may take its AVX512-BF16 path, that path's register width: True 512-bit, False 256-bit, None this CPU's
+default). The AVX512-BF16 routes run only where that path is on."""
 
 
 def time_routes(model, sizes: list[int], context: int, reps: int) -> dict[str, dict[int, float]]:
     """Median seconds of one n-token forward per route, routes and sizes taking turns each round
-    (lean-avx2 only where the AVX512-BF16 path is on)."""
+    (lean-256, lean-512 and lean-avx2 only where the AVX512-BF16 path is on)."""
     kernel = fused_kernel()
     avx512 = kernel is not None and kernel.avx512_bf16_enabled()
+    default_zmm = avx512 and kernel.avx512_bf16_zmm()
 
-    def enter(lean: str, products_avx512: bool) -> None:
+    def enter(lean: str, products_avx512: bool, zmm: bool | None) -> None:
         os.environ[lean_forward.LEAN_ENV] = lean
         if avx512:
             kernel.set_avx512_bf16(products_avx512)
+            kernel.set_avx512_bf16_zmm(default_zmm if zmm is None else zmm)
 
-    routes = {r: partial(enter, *how) for r, how in ROUTES.items() if how[1] or avx512}
+    routes = {r: partial(enter, *how) for r, how in ROUTES.items() if r in ("hf", "lean") or avx512}
     before = os.environ.get(lean_forward.LEAN_ENV)
     try:
         return forward_latency(model, sizes, context, reps, routes)
     finally:
         if avx512:
             kernel.set_avx512_bf16(True)
+            kernel.set_avx512_bf16_zmm(default_zmm)
         if before is None:
             os.environ.pop(lean_forward.LEAN_ENV, None)
         else:
@@ -67,16 +73,12 @@ def main() -> None:
     model = load_target(args.target, dtype=args.dtype).model
     medians = time_routes(model, args.sizes, args.context, args.reps)
     print(f"{args.target} ({args.dtype}), {args.context} cached tokens, medians of {args.reps}; "
-          f"lean forward up to {lean_forward.lean_max_rows()} tokens here")
-    avx2 = "lean-avx2" in medians
-    print(f"{'tokens':>6}  {'HF forward ms':>13}  {'lean forward ms':>15}  {'HF / lean':>9}"
-          + (f"  {'lean, AVX2 products ms':>22}  {'AVX2 / AVX512':>13}" if avx2 else ""))
+          f"lean forward up to {lean_forward.lean_max_rows()} tokens here; ms, and / lean (this CPU's default route)")
+    names = list(medians)
+    print(f"{'tokens':>6}" + "".join(f"  {r + ' ms':>13}  {'/ lean':>6}" for r in names))
     for n in args.sizes:
-        hf, lean = medians["hf"][n] * 1e3, medians["lean"][n] * 1e3
-        row = f"{n:>6}  {hf:>13.1f}  {lean:>15.1f}  {hf / lean:>9.2f}"
-        if avx2:
-            row += f"  {medians['lean-avx2'][n] * 1e3:>22.1f}  {medians['lean-avx2'][n] * 1e3 / lean:>13.2f}"
-        print(row)
+        lean = medians["lean"][n]
+        print(f"{n:>6}" + "".join(f"  {medians[r][n] * 1e3:>13.1f}  {medians[r][n] / lean:>6.2f}" for r in names))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     record = {"config": vars(args), **cpu_report(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "median_s": {r: {str(n): t for n, t in m.items()} for r, m in medians.items()}}

@@ -30,7 +30,8 @@ Where bf16 is native (AVX512-BF16), oneDNN's products carry ~50 us of fixed cost
 kernels serve the small forwards there too (a SmolLM2 one-token decode step 36.6 -> 25.6 ms on a
 2-core AVX512-BF16 EPYC), and the product kernel multiplies bf16 inputs with VDPBF16PS dot products
 (``csrc/bf16_linear_avx512.cpp``; ``SELFDRAFT_AVX512_BF16=0`` keeps it on the AVX2 path): a 16-token
-SmolLM2 forward 44 -> 29 ms there, one token unchanged. Products over at most FUSED_MAX_ROWS_AVX512
+SmolLM2 forward 44 -> 29 ms there, one token unchanged. On Intel CPUs it multiplies in 512-bit registers
+(``SELFDRAFT_AVX512_ZMM`` chooses). Products over at most FUSED_MAX_ROWS_AVX512
 rows take it inside the model's own forward (FUSED_MAX_ROWS_NATIVE with the AVX2 path, past which
 oneDNN wins); the lean forward (:mod:`selfdraft.lean_forward`), which skips the model's Python, keeps
 every product of a verification (any size) and of a prompt of up to 16 tokens (24 on AMX) on the kernel
@@ -91,6 +92,11 @@ FUSED_ENV = "SELFDRAFT_FUSED_BF16"
 AVX512_ENV = "SELFDRAFT_AVX512_BF16"
 """Set to 0 to keep the product kernel on its AVX2 path where the CPU has AVX512-BF16 (comparisons);
 by default bf16 inputs there take the VDPBF16PS path (csrc/bf16_linear_avx512.cpp)."""
+ZMM_ENV = "SELFDRAFT_AVX512_ZMM"
+"""Set to 1 or 0 to have the VDPBF16PS path multiply in 512-bit or 256-bit registers; unset, 512-bit on
+Intel CPUs and 256-bit elsewhere (on a 2-core Zen 4, which splits 512-bit instructions, 2-3-token
+forwards took 15-25% longer with them; on a 2-core Emerald Rapids 512-bit products are faster at
+every row count: docs/perf_log.md, forty-fifth session)."""
 AMX_ENV = "SELFDRAFT_AMX_BF16"
 """Set to 0 to keep bf16 products off the AMX tiles where the CPU has AMX-BF16 (comparisons); by default
 products whose width is a multiple of 32 take them there (csrc/bf16_linear_amx.cpp)."""
@@ -131,6 +137,7 @@ def cpu_report() -> dict:
         "fused_bf16_kernel": fused_kernel() is not None,
         "avx512_bf16_products": avx512_bf16_products(),
         "amx_bf16_products": amx_bf16_products(),
+        "avx512_bf16_zmm": avx512_bf16_zmm_products(),
     }
 
 
@@ -189,6 +196,8 @@ def build_fused_kernel():
         )
         module.set_avx512_bf16(os.environ.get(AVX512_ENV, "1") != "0")
         module.set_amx_bf16(os.environ.get(AMX_ENV, "1") != "0")
+        if os.environ.get(ZMM_ENV, "") in ("0", "1"):
+            module.set_avx512_bf16_zmm(os.environ[ZMM_ENV] == "1")
         return module
     except Exception as e:  # no compiler, no ninja, ...: slower but correct without it
         warnings.warn(
@@ -205,6 +214,13 @@ def avx512_bf16_products() -> bool:
     has them, the kernel is built and ``SELFDRAFT_AVX512_BF16`` is not 0)."""
     kernel = fused_kernel()
     return kernel is not None and kernel.avx512_bf16_enabled()
+
+
+def avx512_bf16_zmm_products() -> bool:
+    """Whether the product kernel's AVX512-BF16 path is on and multiplies in 512-bit registers (by
+    default on Intel CPUs; ``SELFDRAFT_AVX512_ZMM`` chooses)."""
+    kernel = fused_kernel()
+    return kernel is not None and kernel.avx512_bf16_enabled() and kernel.avx512_bf16_zmm()
 
 
 def amx_bf16_products() -> bool:

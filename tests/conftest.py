@@ -102,11 +102,12 @@ def kernel_or_skip():
     return kernel
 
 
-@pytest.fixture(params=["avx2", "avx512_bf16", "amx_bf16"])
+@pytest.fixture(params=["avx2", "avx512_bf16_ymm", "avx512_bf16_zmm", "amx_bf16"])
 def product_kernel(request):
     """The kernel module with bf16 products on one path: AVX2 (widened weights, 8-wide FMAs; every x86
-    CPU the kernel builds on), AVX512-BF16 (VDPBF16PS; skipped where the CPU lacks it) or AMX-BF16
-    (tiles, for widths that are multiples of 32; skipped where the CPU or the OS does not allow them)."""
+    CPU the kernel builds on), AVX512-BF16 (VDPBF16PS in 256-bit or 512-bit registers; skipped where the
+    CPU lacks it) or AMX-BF16 (tiles, for widths that are multiples of 32; skipped where the CPU or the
+    OS does not allow them)."""
     kernel = kernel_or_skip()
     native = request.param != "avx2"
     amx = request.param == "amx_bf16"
@@ -115,7 +116,9 @@ def product_kernel(request):
     if amx and not kernel.amx_bf16_available():
         pytest.skip("this CPU (or its OS) gives no AMX-BF16 tiles")
     before, before_amx = kernel.set_avx512_bf16(native), kernel.set_amx_bf16(amx)
+    before_zmm = kernel.set_avx512_bf16_zmm(request.param == "avx512_bf16_zmm" or (amx and kernel.avx512_bf16_zmm()))
     assert kernel.avx512_bf16_enabled() == native and kernel.amx_bf16_enabled() == amx
     yield kernel
     kernel.set_avx512_bf16(before)
     kernel.set_amx_bf16(before_amx)
+    kernel.set_avx512_bf16_zmm(before_zmm)

@@ -3,6 +3,7 @@ and where each applies."""
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import pytest
@@ -203,7 +204,7 @@ def test_fused_kernel_is_the_fp32_product_rounded(rows, k, n, product_kernel):
 def test_fused_kernel_row_results_do_not_depend_on_the_row_count(k, product_kernel):
     """Guards what greedy exactness rests on: a row's output is bit-identical whether the product has
     one row (a decode step) or several (a verified tree: on the AVX2 path one stream up to ten rows,
-    two up to sixteen, the row tiles beyond; on the AVX512-BF16 path one pass of up to twelve rows,
+    two up to sixteen, the row tiles beyond; on the AVX512-BF16 path, in either register width, one pass of up to twelve rows,
     even passes beyond; on the AMX path one column tile of up to sixteen rows, two beyond),
     for every row position in a tile or pass and its remainders, with bias and a tail (k = 20: scalar
     on AVX2, masked on AVX512-BF16)."""
@@ -217,6 +218,34 @@ def test_fused_kernel_row_results_do_not_depend_on_the_row_count(k, product_kern
             for rows in range(2, 27):
                 got = kernel.bf16_linear(x[:rows], w, bias)
                 assert torch.equal(got, alone[:rows]), f"{dtype}, {rows} rows, bias {bias is not None}"
+
+
+def test_avx512_register_width_follows_the_cpu_and_switches(monkeypatch):
+    """Guards the VDPBF16PS path's register width: 512-bit by default on Intel CPUs, 256-bit elsewhere
+    (unless SELFDRAFT_AVX512_ZMM chose at build); the switch returns the previous setting, and the
+    widths round differently only as fp32 sums in another order do (both near the fp32 product)."""
+    kernel = fused()
+    if not kernel.avx512_bf16_available():
+        pytest.skip("this CPU has no AVX512-BF16")
+    vendor = next((line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")), "")
+    if os.environ.get(kernels.ZMM_ENV, "") not in ("0", "1"):
+        assert kernel.avx512_bf16_zmm() == (vendor == "GenuineIntel")
+    before = kernel.avx512_bf16_zmm()
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 1000).bfloat16(), torch.randn(300, 1000).bfloat16()
+    want = x.float() @ w.float().t()
+    try:
+        outputs = {}
+        for zmm in (False, True):
+            kernel.set_avx512_bf16_zmm(zmm)
+            assert kernel.avx512_bf16_zmm() == zmm
+            monkeypatch.setattr(kernels, "fused_kernel", lambda: kernel)
+            assert kernels.cpu_report()["avx512_bf16_zmm"] == (zmm and kernel.avx512_bf16_enabled())
+            outputs[zmm] = kernel.bf16_linear(x, w, None).float()
+            assert (outputs[zmm] - want).abs().max() <= 1e-2 * want.abs().max()
+        assert kernel.set_avx512_bf16_zmm(before) is True
+    finally:
+        kernel.set_avx512_bf16_zmm(before)
 
 
 def test_fused_kernel_reads_non_contiguous_input_and_reuses_its_buffer(product_kernel):

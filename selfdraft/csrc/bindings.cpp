@@ -32,6 +32,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_avx512_bf16", &selfdraft::set_avx512_bf16,
         "use the AVX512-BF16 path for bf16 products where available (default true); returns the previous setting",
         pybind11::arg("enabled"));
+  m.def("avx512_bf16_zmm", &selfdraft::avx512_bf16_zmm,
+        "whether the AVX512-BF16 path multiplies in 512-bit registers (default on Intel CPUs) rather than 256-bit");
+  m.def("set_avx512_bf16_zmm", &selfdraft::set_avx512_bf16_zmm,
+        "choose 512-bit (true) or 256-bit registers for the AVX512-BF16 path; returns the previous setting",
+        pybind11::arg("enabled"));
   m.def("amx_bf16_available", &selfdraft::amx_bf16_available,
         "whether this CPU runs AMX-BF16 and this process may use its tiles (bf16 products then use TDPBF16PS)");
   m.def("amx_bf16_enabled", &selfdraft::amx_bf16_enabled,

@@ -101,6 +101,15 @@ struct BF16Product {
 // (bf16_linear_avx512.cpp); call only where avx512_bf16_available().
 void bf16_products_avx512(const uint16_t* x, int64_t m, int64_t k, const std::vector<BF16Product>& products);
 
+// Whether the AVX512-BF16 path multiplies in 512-bit registers (32 bf16 pairs a step) rather than 256-bit
+// ones (16): by default on Intel CPUs, not on others (bf16_linear_avx512.cpp says why).
+bool avx512_bf16_zmm();
+
+// Choose the AVX512-BF16 path's register width for every later product (true: 512-bit); returns the
+// previous setting. Results differ in rounding between the widths, so a process keeps one while it
+// compares outputs (it is never chosen per product).
+bool set_avx512_bf16_zmm(bool enabled);
+
 // Whether this compiler has the AMX intrinsics (GCC 11, Clang 12 and later).
 #if defined(__clang__) ? (__clang_major__ >= 12) : (defined(__GNUC__) && __GNUC__ >= 11)
 #define SELFDRAFT_HAVE_AMX 1
