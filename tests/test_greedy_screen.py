@@ -76,6 +76,33 @@ def test_int8_products_and_their_bound(k):
         kernel.int8_linear(x[:, :-1], screen.q, screen.scale)
 
 
+@pytest.mark.parametrize("k", [64, 100, 20])
+def test_int8_passes_give_the_same_bits_on_every_path(k):
+    """Guards the int8 passes' 512-bit forms (AVX512BW, VNNI): their sums are exact integers, so the
+    product, the screen's kept rows and the upper bounds equal the AVX2 form's bit for bit, for one to
+    seven rows (passes of four and their remainders) and a k with a scalar tail (100, 20)."""
+    kernel = kernel_or_skip()
+    if not kernel.avx512_bf16_available():
+        pytest.skip("this CPU has no AVX512")
+    w = weights(600, k, k)
+    screen = gs.build_screen(w)
+    allowance = gs.norm_allowance(k)
+    for rows in range(1, 8):
+        x = inputs(rows, k, rows, w)
+        got = {}
+        for avx512 in (True, False):
+            before = kernel.set_avx512_bf16(avx512)
+            try:
+                got[avx512] = (kernel.int8_linear(x, screen.q, screen.scale),
+                               kernel.int8_screen(x, screen.q, screen.scale, screen.bound, screen.qnorm, allowance,
+                                                  gs.SCREEN_MARGIN),
+                               kernel.int8_upper(x, screen.q, screen.scale, screen.bound, screen.qnorm, allowance, 0.0))
+            finally:
+                kernel.set_avx512_bf16(before)
+        for a, b in zip(got[True], got[False]):
+            assert torch.equal(a, b), f"{rows} rows"
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 def test_screened_argmax_is_the_full_products(rows, product_kernel):
     """Guards screened_logits: on 240 inputs (near-ties, exact ties across rows, zero rows), each row's
