@@ -6,11 +6,11 @@
 // bytes it reads (SmolLM2's 49,152 x 576 lm_head is ~23% of a step on the 2-core AVX2 CPU). Each
 // weight row streams once, prefetched ahead like the bf16 kernel's one-stream path
 // (bf16_linear.cpp), its int8 values widened to int16 in registers and multiplied into int32
-// accumulators per input row (int8_rows); rows past four reuse the weight row from L1. Where the CPU has
-// AVX512BW the same sums run in 512-bit registers, with VPDPWSSD where it has AVX512-VNNI (the same
-// bits: exact integers; on a 2-core Emerald Rapids Gemma-3's 262,144 x 640 copy at one / four / ten rows
-// 4.8 / 9.6 / 24.4 -> 4.4 / 7.7 / 17.5 ms). The input's quantization error enters the screen's bound
-// (quantize_rows).
+// accumulators per input row (int8_rows); rows past four reuse the weight row from L1. Where the product
+// kernel's AVX512-BF16 path is on, the same sums run in 512-bit registers (AVX512BW), with VPDPWSSD where
+// the CPU has AVX512-VNNI (the same bits: exact integers; on a 2-core Emerald Rapids Gemma-3's 262,144 x
+// 640 copy at one / four / ten rows 4.8 / 9.6 / 24.4 -> 4.4 / 7.7 / 17.5 ms). The input's quantization
+// error enters the screen's bound (quantize_rows).
 // int8_upper turns the same pass into upper bounds on every bf16 logit, for draws at a temperature
 // (selfdraft/screened_draws.py). Built into one module with the other kernels (kernels.h) by
 // selfdraft/kernels.py.
@@ -140,7 +140,7 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
 #if SELFDRAFT_HAVE_AVX512_BF16
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni")
-// int8_rows in 512-bit registers, for CPUs with AVX512BW: 32 weights a multiply-add, one accumulator per
+// int8_rows in 512-bit registers (AVX512BW): 32 weights a multiply-add, one accumulator per
 // row; with AVX512-VNNI (VNNI) the multiply-add and the add are one VPDPWSSD. The sums are exact
 // integers on every path (int32 sums of int16 products, wrapping alike), so all give the same bits;
 // these read a weight row in half or a quarter of the instructions.
@@ -184,14 +184,13 @@ void int8_features_avx512(const int16_t* xq, const float* xs, int64_t m, const i
 #pragma GCC pop_options
 #endif
 
-// Which form the int8 passes take: 0 the AVX2 one; 1 512-bit (AVX512BW), 2 512-bit with VNNI, where the
-// CPU has them and the product kernel's AVX512 path is on (set_avx512_bf16 switches both, for comparisons).
+// Which form the int8 passes take: 0 the AVX2 one; 1 512-bit (AVX512BW), 2 512-bit with VNNI. The 512-bit
+// forms go with the product kernel's AVX512-BF16 path (a CPU with it has AVX512BW): they run where that
+// path is on, and set_avx512_bf16 switches both, for comparisons.
 int int8_avx512() {
-  static const int available = !(SELFDRAFT_HAVE_AVX512_BF16 && __builtin_cpu_supports("avx512f") &&
-                                 __builtin_cpu_supports("avx512bw"))
-                                   ? 0
-                                   : (__builtin_cpu_supports("avx512vnni") ? 2 : 1);
-  return avx512_bf16_enabled() ? available : 0;
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  if (!avx512_bf16_enabled()) return 0;
+  return vnni ? 2 : 1;
 }
 
 // y (m, n) = xs * (xq @ q^T) * scale for features [n0, n1), weight rows outermost: input rows in passes of
